@@ -1,0 +1,28 @@
+"""torchstruct: selective ``requires_grad`` and structural gradient trees for PyTorch.
+
+Every public name is re-exported here from the one module that defines it:
+
+- :mod:`.select`: selectors -> parameter sets;
+- :mod:`.tree`: nested-dict trees (``ts.tree.map``, ``ts.tree.flatten``, ...);
+- :mod:`.declare`: declarations, effective trainability, hooks;
+- :mod:`.contexts`: ``freeze``, ``freeze_except``, ``unfreeze``;
+- :mod:`.blocks`: block-local ``stop_gradient``, ``constant``, ``swap``;
+- :mod:`.grad`: structural gradients; :mod:`.within`: ``within_gradient``;
+- :mod:`.walk`: ``map_trainable``, ``polyak_update``;
+- :mod:`.clip`: ``global_norm``, ``clip_by_global_norm``;
+- :mod:`.summary`: ``summary``; :mod:`.optim`: fused masked optimizers;
+- :mod:`._ops`: the seam between the compiled extension and ``_reference.py``.
+"""
+from . import tree
+from ._ops import backend
+from .blocks import *  # noqa: F401,F403
+from .clip import *  # noqa: F401,F403
+from .contexts import freeze, freeze_except, unfreeze
+from .declare import attach, detach_hooks, is_trainable, mark_trainable, trainable_parameters
+from .grad import *  # noqa: F401,F403
+from .select import select
+from .summary import summary
+from .walk import *  # noqa: F401,F403
+from .within import *  # noqa: F401,F403
+
+__version__ = "0.1.0"

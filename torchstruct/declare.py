@@ -1,0 +1,391 @@
+"""Declarations, effective trainability, and the hooks that make them real.
+
+A parameter's **effective trainability** is decided in three steps:
+
+1. its *starting flag*: the ``requires_grad`` it had when torchstruct first saw it, or the last
+   value the user set by hand (see below);
+2. the active contexts (:mod:`torchstruct.contexts`), applied outermost first, so the innermost
+   wins: ``freeze`` turns the selected off, ``freeze_except`` turns everything else off,
+   ``unfreeze`` turns the selected on;
+3. the declarations: every module on the parameter's path that declares what trains (a
+   ``trainable()`` method, or :func:`mark_trainable`) must list the next name on the path.
+   A declaration only ever turns a flag off; no context can override it.
+
+The flags are written at once whenever a declaration or a context changes, and a forward
+pre-hook on the attached model re-applies them before a forward when the module tree changed
+(a parameter or submodule was registered anywhere). When nothing changed the hook costs one
+dictionary look-up and one integer comparison.
+
+**A manual ``requires_grad_()``** on a parameter of an attached model sets that parameter's
+starting flag. torchstruct notices it the next time it applies flags (when a context is entered
+or left, a declaration changes, the module tree changes, or any function that reads
+trainability runs). Declarations and active contexts still apply on top of it.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+from torch.nn.modules.batchnorm import _NormBase
+
+from .select import ParamIndex, _closest, index, select
+
+__all__ = [
+    "attach",
+    "detach_hooks",
+    "mark_trainable",
+    "trainable_parameters",
+    "is_trainable",
+    "declared",
+]
+
+_BASE = "_torchstruct_base"  # attribute on a parameter: its starting flag
+_WRITTEN = "_torchstruct_written"  # attribute on a parameter: the flag torchstruct last wrote
+_MARK = "_torchstruct_trainable"  # attribute on a module: names from mark_trainable
+
+# Bumped whenever any module or parameter is registered anywhere, or a declaration changes.
+_generation = [0]
+
+
+def _bump(*_args) -> None:
+    _generation[0] += 1
+
+
+_module_mod.register_module_parameter_registration_hook(_bump)
+_module_mod.register_module_module_registration_hook(_bump)
+
+
+# ----------------------------------------------------------------------------- declarations
+def _own_names(module: nn.Module) -> list[str]:
+    return list(module._parameters) + list(module._modules)
+
+
+def _check_names(module: nn.Module, names: Iterable, what: str) -> frozenset[str]:
+    names = tuple(names)
+    own = _own_names(module)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: names must be strings, got {type(name).__name__}")
+        if name not in own:
+            raise ValueError(
+                f"{what}: {type(module).__name__} has no direct parameter or child module "
+                f"{name!r}; it has: {_closest(name, own)}"
+            )
+    return frozenset(names)
+
+
+def declared(module: nn.Module) -> frozenset[str] | None:
+    """The names ``module`` declares trainable, or None when it declares nothing.
+
+    :func:`mark_trainable` on the instance takes precedence over a ``trainable()`` method.
+    """
+    mark = module.__dict__.get(_MARK)
+    if mark is not None:
+        return mark
+    method = getattr(type(module), "trainable", None)
+    if not callable(method):
+        return None
+    return _check_names(module, method(module), f"{type(module).__name__}.trainable()")
+
+
+def mark_trainable(module: nn.Module, *names: str | None) -> nn.Module:
+    """Declare which direct parameters and child modules of ``module`` train.
+
+    The same declaration a ``trainable()`` method makes, recorded on one instance: no
+    subclassing needed. Whatever is not listed is frozen, with its subtree. ``mark_trainable(m)``
+    with no names freezes all of ``m``; ``mark_trainable(m, None)`` removes the declaration.
+    Flags change at once in every attached model that contains ``module``.
+
+    Arguments:
+        module: the module whose own parameters/children are named.
+        *names: names of direct parameters or child modules, or a single ``None``.
+
+    Returns:
+        ``module``.
+
+    Raises:
+        ValueError: a name that is not a direct parameter or child (with the closest names).
+
+    Example:
+        >>> import torch.nn as nn, torchstruct as ts
+        >>> m = nn.Linear(2, 2)
+        >>> _ = ts.mark_trainable(m, "bias")
+        >>> [path for path, _ in ts.trainable_parameters(m)]
+        ['bias']
+        >>> _ = ts.mark_trainable(m, None)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"mark_trainable: expected an nn.Module, got {type(module).__name__}")
+    if names == (None,):
+        module.__dict__.pop(_MARK, None)
+    else:
+        module.__dict__[_MARK] = _check_names(module, names, "mark_trainable")
+    _bump()
+    states = _states_containing(module) or [_state_for(module)]
+    for st in states:
+        st.apply()
+    return module
+
+
+def _admitted(root: nn.Module) -> set[int]:
+    """Ids of the parameters that every declaration along some path of theirs admits."""
+    out: set[int] = set()
+
+    def walk(mod: nn.Module) -> None:
+        names = declared(mod)
+        for name, p in mod._parameters.items():
+            if p is not None and (names is None or name in names):
+                out.add(id(p))
+        for name, child in mod._modules.items():
+            if child is not None and (names is None or name in names):
+                walk(child)
+
+    walk(root)
+    return out
+
+
+# ----------------------------------------------------------------------------- state
+@dataclass(eq=False)
+class Entry:
+    """One active context: ``kind`` over ``selectors`` within ``scope``'s subtree."""
+
+    kind: str  # "freeze" | "freeze_except" | "unfreeze"
+    scope: weakref.ref
+    selectors: tuple
+    freeze_norm_stats: bool = True
+
+    def apply(self, flags: dict[int, bool]) -> None:
+        scope = self.scope()
+        if scope is None:
+            return
+        chosen = {id(p) for _, p in select(scope, *self.selectors, strict=False)}
+        for p in scope.parameters():
+            i = id(p)
+            if self.kind == "freeze" and i in chosen:
+                flags[i] = False
+            elif self.kind == "freeze_except" and i not in chosen:
+                flags[i] = False
+            elif self.kind == "unfreeze" and i in chosen:
+                flags[i] = True
+
+
+@dataclass(eq=False)
+class State:
+    """What torchstruct keeps for one attached model (the root)."""
+
+    root: weakref.ref
+    freeze_norm_stats: bool = True
+    entries: list[Entry] = field(default_factory=list)
+    generation: int = -1
+    idx: ParamIndex | None = None
+    hook: object = None
+    norm_hooks: dict[int, tuple[weakref.ref, list]] = field(default_factory=dict)
+
+    # -- flags
+    def apply(self) -> None:
+        """Recompute every flag of the root's parameters and write it."""
+        root = self.root()
+        if root is None:
+            return
+        self.idx = idx = index(root)
+        for p in idx.params:
+            if getattr(p, _WRITTEN, None) is not p.requires_grad:
+                setattr(p, _BASE, p.requires_grad)  # first sight, or changed by hand
+        flags = {id(p): getattr(p, _BASE) for p in idx.params}
+        for entry in self.entries:
+            entry.apply(flags)
+        admitted = _admitted(root)
+        for p in idx.params:
+            flag = flags[id(p)] and id(p) in admitted
+            if p.requires_grad is not flag:
+                p.requires_grad_(flag)
+            setattr(p, _WRITTEN, flag)
+        self._sync_norm_hooks(root)
+        self.generation = _generation[0]
+
+    def refresh(self) -> None:
+        """Apply when anything may have changed; cheap (no selector work) otherwise."""
+        if (
+            self.generation != _generation[0]
+            or self.idx is None
+            or any(getattr(p, _WRITTEN, None) is not p.requires_grad for p in self.idx.params)
+        ):
+            self.apply()
+
+    # -- hooks
+    def install(self) -> None:
+        root = self.root()
+        if self.hook is None and root is not None:
+            self.hook = root.register_forward_pre_hook(_pre_forward)
+
+    def uninstall(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        for _, handles in self.norm_hooks.values():
+            for h in handles:
+                h.remove()
+        self.norm_hooks.clear()
+
+    def _norm_stats_frozen(self, mod: nn.Module) -> bool:
+        if not (isinstance(mod, _NormBase) and mod.track_running_stats):
+            return False
+        params = [p for p in mod._parameters.values() if p is not None]
+        enabled = self.freeze_norm_stats and all(e.freeze_norm_stats for e in self.entries)
+        return enabled and bool(params) and not any(p.requires_grad for p in params)
+
+    def _sync_norm_hooks(self, root: nn.Module) -> None:
+        want = {id(m): m for m in root.modules() if self._norm_stats_frozen(m)}
+        for key in list(self.norm_hooks):
+            ref, handles = self.norm_hooks[key]
+            if key not in want or ref() is not want[key]:
+                for h in handles:
+                    h.remove()
+                del self.norm_hooks[key]
+        if self.hook is None:  # detached: no hooks at all
+            return
+        for key, mod in want.items():
+            if key not in self.norm_hooks:
+                handles = [
+                    mod.register_forward_pre_hook(_norm_pre),
+                    mod.register_forward_hook(_norm_post, always_call=True),
+                ]
+                self.norm_hooks[key] = (weakref.ref(mod), handles)
+
+
+_states: weakref.WeakKeyDictionary[nn.Module, State] = weakref.WeakKeyDictionary()
+
+
+def _pre_forward(module: nn.Module, _args) -> None:
+    st = _states.get(module)
+    if st is not None and st.generation != _generation[0]:
+        st.apply()
+
+
+def _norm_pre(module: nn.Module, _args) -> None:
+    module.__dict__["_torchstruct_was_training"] = module.training
+    module.training = False  # normalize with, and never update, the running statistics
+
+
+def _norm_post(module: nn.Module, _args, _out) -> None:
+    module.training = module.__dict__.pop("_torchstruct_was_training", module.training)
+
+
+def _contains(root: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in root.modules())
+
+
+def _states_containing(module: nn.Module) -> list[State]:
+    return [st for root, st in list(_states.items()) if _contains(root, module)]
+
+
+def _state_for(module: nn.Module) -> State:
+    """The state governing ``module``: its own, an attached ancestor's, or a new one.
+
+    A new state rooted at ``module`` absorbs the states of attached descendants.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
+    st = _states.get(module)
+    if st is not None:
+        return st
+    for root, other in list(_states.items()):
+        if _contains(root, module):
+            return other
+    st = State(weakref.ref(module))
+    for root, other in list(_states.items()):
+        if _contains(module, root):
+            st.entries.extend(other.entries)
+            other.uninstall()
+            del _states[root]
+    _states[module] = st
+    st.install()
+    st.apply()
+    return st
+
+
+# ----------------------------------------------------------------------------- public
+def attach(model: nn.Module, *, freeze_norm_stats: bool | None = None) -> nn.Module:
+    """Install the hooks that keep ``requires_grad`` equal to effective trainability.
+
+    Every torchstruct entry point that takes a model attaches it implicitly; calling
+    ``attach`` again re-applies all flags at once (useful after code that swapped parameters
+    without registering them).
+
+    Arguments:
+        model: the root module.
+        freeze_norm_stats: when given, sets whether normalization layers whose parameters are
+            all frozen stop updating (and use) their running statistics. Default True.
+
+    Returns:
+        ``model``.
+    """
+    st = _state_for(model)
+    if freeze_norm_stats is not None:
+        st.freeze_norm_stats = bool(freeze_norm_stats)
+    st.install()
+    st.apply()
+    return model
+
+
+def detach_hooks(model: nn.Module) -> nn.Module:
+    """Remove every hook torchstruct installed on ``model`` (flags stay as they are).
+
+    Contexts still change flags at once while active; only the automatic re-application at
+    forward (new parameters, new submodules) and the frozen-norm behaviour stop.
+    """
+    st = _states.get(model)
+    if st is not None:
+        st.uninstall()
+    return model
+
+
+def _governed(model: nn.Module) -> ParamIndex:
+    """Refresh the flags governing ``model`` and return its parameter index."""
+    st = _state_for(model)
+    st.refresh()
+    return st.idx if st.root() is model else index(model)
+
+
+def trainable_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    """``(path, parameter)`` for every effectively trainable parameter, tied ones once.
+
+    Example:
+        >>> import torch.nn as nn, torchstruct as ts
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> with ts.freeze(m, "0"):
+        ...     [path for path, _ in ts.trainable_parameters(m)]
+        ['1.weight', '1.bias']
+    """
+    idx = _governed(model)
+    return iter([(path, p) for path, p in idx if getattr(p, _WRITTEN)])
+
+
+def is_trainable(model: nn.Module, path_or_param: str | nn.Parameter) -> bool:
+    """Whether one parameter of ``model`` (given by path or object) is effectively trainable.
+
+    Raises:
+        ValueError: the path names no parameter of ``model`` (closest paths listed), or the
+            parameter does not belong to ``model``.
+    """
+    idx = _governed(model)
+    if isinstance(path_or_param, str):
+        for p, ps in zip(idx.params, idx.paths):
+            if path_or_param in ps:
+                return getattr(p, _WRITTEN)
+        raise ValueError(
+            f"is_trainable: {path_or_param!r} is not a parameter path of the model; closest: "
+            f"{_closest(path_or_param, idx.all_paths())}"
+        )
+    if isinstance(path_or_param, torch.Tensor):
+        for p in idx.params:
+            if p is path_or_param:
+                return getattr(p, _WRITTEN)
+        raise ValueError("is_trainable: the given tensor is not a parameter of the model")
+    raise TypeError(
+        f"is_trainable: expected a path or a parameter, got {type(path_or_param).__name__}"
+    )

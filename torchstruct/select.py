@@ -1,0 +1,180 @@
+"""Selectors: what picks parameters.
+
+A *selector* is one of
+
+- a glob string, matched with :func:`fnmatch.fnmatchcase` against parameter paths and module
+  paths; a pattern that names a module (``"encoder"``, ``"encoder.*"``, ``"*.norm"``) selects
+  that module's whole subtree;
+- a compiled :class:`re.Pattern`, ``fullmatch``-ed against parameter paths;
+- a callable ``(path, param) -> bool``;
+- an :class:`torch.nn.Module` (its subtree) or :class:`torch.nn.Parameter` (itself), by identity;
+- a list or tuple of selectors (their union).
+
+A tied parameter (one object reachable by several paths) is selected when any of its paths is.
+Every public function of the library that picks parameters goes through :func:`select`.
+"""
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from torch import nn
+
+__all__ = ["select", "ParamIndex", "index", "Selector"]
+
+Selector = "str | re.Pattern | Callable[[str, nn.Parameter], bool] | nn.Module | nn.Parameter | list | tuple"
+
+
+@dataclass(frozen=True)
+class ParamIndex:
+    """Every parameter of a module with all of its paths.
+
+    ``params`` lists each parameter object once, in ``named_parameters()`` order (tied
+    parameters at their first path); ``paths[i]`` lists every path of ``params[i]``, the first
+    being its canonical path.
+    """
+
+    params: tuple[nn.Parameter, ...]
+    paths: tuple[tuple[str, ...], ...]
+    modules: tuple[str, ...]
+
+    def __iter__(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(canonical path, parameter)`` pairs, tied parameters once."""
+        return ((ps[0], p) for p, ps in zip(self.params, self.paths))
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def all_paths(self) -> list[str]:
+        return [path for ps in self.paths for path in ps]
+
+
+def index(model: nn.Module) -> ParamIndex:
+    """Index ``model``'s parameters: each object once, with all its paths."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
+    slot: dict[int, int] = {}
+    params: list[nn.Parameter] = []
+    paths: list[list[str]] = []
+    for path, p in model.named_parameters(remove_duplicate=False):
+        i = slot.get(id(p))
+        if i is None:
+            slot[id(p)] = len(params)
+            params.append(p)
+            paths.append([path])
+        else:
+            paths[i].append(path)
+    modules = tuple(name for name, _ in model.named_modules(remove_duplicate=False) if name)
+    return ParamIndex(tuple(params), tuple(tuple(ps) for ps in paths), modules)
+
+
+def _prefixes(path: str) -> Iterator[str]:
+    """``"a.b.c"`` -> ``"a"``, ``"a.b"``, ``"a.b.c"``."""
+    parts = path.split(".")
+    for k in range(1, len(parts) + 1):
+        yield ".".join(parts[:k])
+
+
+def _glob(pattern: str) -> Callable[[str, nn.Parameter], bool]:
+    return lambda path, _: any(fnmatch.fnmatchcase(pre, pattern) for pre in _prefixes(path))
+
+
+def _closest(word: str, candidates: list[str], n: int = 5) -> str:
+    close = difflib.get_close_matches(word, candidates, n=n, cutoff=0.4)
+    if not close:  # fall back to the first few paths, so the message always shows real names
+        close = candidates[:n]
+    return ", ".join(repr(c) for c in close) or "(the model has no parameters)"
+
+
+def _predicate(
+    sel, idx: ParamIndex, strict: bool
+) -> Callable[[str, nn.Parameter], bool] | set[int]:
+    """One selector -> a predicate over ``(path, param)`` or a set of parameter ids."""
+    if isinstance(sel, nn.Parameter):
+        if strict and not any(p is sel for p in idx.params):
+            raise ValueError(
+                f"selector: the given nn.Parameter (shape {tuple(sel.shape)}) is not a "
+                "parameter of the model"
+            )
+        return {id(sel)}
+    if isinstance(sel, nn.Module):
+        ids = {id(p) for p in sel.parameters()}
+        owned = {id(p) for p in idx.params}
+        if strict and not ids <= owned:
+            raise ValueError(
+                f"selector: the given {type(sel).__name__} is not a submodule of the model"
+            )
+        return ids
+    if isinstance(sel, str):
+        pred = _glob(sel)
+        known = idx.all_paths() + list(idx.modules)
+        if strict and not any(fnmatch.fnmatchcase(name, sel) for name in known):
+            raise ValueError(
+                f"selector {sel!r} matches no parameter or module; closest paths: "
+                f"{_closest(sel, known)} (pass strict=False to allow an empty match)"
+            )
+        return pred
+    if isinstance(sel, re.Pattern):
+        pred = lambda path, _: sel.fullmatch(path) is not None  # noqa: E731
+        if strict and not any(pred(path, None) for path in idx.all_paths()):
+            raise ValueError(
+                f"selector re.compile({sel.pattern!r}) fully matches no parameter path; closest "
+                f"paths: {_closest(sel.pattern, idx.all_paths())} (pass strict=False to allow "
+                "an empty match)"
+            )
+        return pred
+    if callable(sel):
+        return lambda path, p: bool(sel(path, p))
+    raise TypeError(
+        f"selector must be a str, re.Pattern, callable, nn.Module, nn.Parameter or a "
+        f"list/tuple of these; got {type(sel).__name__}"
+    )
+
+
+def _flatten(selectors) -> Iterator:
+    for sel in selectors:
+        if isinstance(sel, (list, tuple)):
+            yield from _flatten(sel)
+        else:
+            yield sel
+
+
+def select(
+    model: nn.Module, *selectors, strict: bool = True, idx: ParamIndex | None = None
+) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of ``model`` picked by any of ``selectors``.
+
+    Arguments:
+        model: the module whose parameters are searched.
+        *selectors: see the module docstring; several selectors are a union.
+        strict: when True (default), a string or regex selector that matches nothing, or a
+            module or parameter that does not belong to ``model``, raises.
+        idx: a precomputed :func:`index` of ``model`` (to avoid walking it twice).
+
+    Returns:
+        ``(canonical path, parameter)`` pairs in ``named_parameters()`` order, tied parameters
+        once.
+
+    Raises:
+        ValueError: a string or regex matching nothing (naming the closest existing paths), or
+            a module/parameter that does not belong to ``model``.
+        TypeError: a selector of an unsupported type.
+
+    Example:
+        >>> import torch.nn as nn, torchstruct as ts
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> [path for path, _ in ts.select(m, "1")]
+        ['1.weight', '1.bias']
+    """
+    idx = index(model) if idx is None else idx
+    preds = [_predicate(sel, idx, strict) for sel in _flatten(selectors)]
+    ids = {i for pr in preds if isinstance(pr, set) for i in pr}
+    fns = [pr for pr in preds if not isinstance(pr, set)]
+    return [
+        (ps[0], p)
+        for p, ps in zip(idx.params, idx.paths)
+        if id(p) in ids or any(fn(path, p) for fn in fns for path in ps)
+    ]
