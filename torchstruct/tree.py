@@ -1,0 +1,480 @@
+"""Nested-dict trees of tensors.
+
+A **tree** is a nested ``dict[str, tree | Tensor]`` whose keys follow the module
+tree of a model::
+
+    {"encoder": {"layers": {"0": {"q": {"weight": t}}}}}
+
+The dotted **path** of a leaf joins its keys with ``"."`` exactly as
+``model.named_parameters()`` spells it (``"encoder.layers.0.q.weight"``).
+
+Conventions shared by every function here:
+
+* Leaves are tensors (``nn.Parameter`` included). A ``None`` leaf means
+  *absent*: it is skipped everywhere, exactly as if its key were missing.
+  Empty dicts hold no leaves and are likewise invisible; functions that
+  build trees never create them.
+* Keys are non-empty strings without ``"."`` (``ValueError`` otherwise, naming
+  the key); any other leaf type raises ``TypeError`` naming its path.
+* Leaves are visited depth-first in insertion order.
+* A tensor object reachable at several paths is a *tied* leaf. ``paths``,
+  ``leaves``, ``map`` and ``to_flat_dict`` visit it at each path;
+  ``flatten`` stores it once and ``unflatten`` restores one object at all of
+  its paths. ``from_module`` lists a tied parameter once, at its first path.
+
+This module knows nothing of trainability; it imports only torch and the
+standard library. ``map`` and ``reduce`` shadow builtins inside it: the
+builtins are reached through :mod:`builtins` where needed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "LeafSpec",
+    "TreeSpec",
+    "paths",
+    "leaves",
+    "map",
+    "reduce",
+    "flatten",
+    "unflatten",
+    "from_module",
+    "to_flat_dict",
+    "from_flat_dict",
+]
+
+Tree = dict  # a nested ``dict[str, Tree | Tensor | None]``
+
+
+# ---------------------------------------------------------------------------
+# The two walkers: tree -> (path, leaf) pairs, and (path, leaf) pairs -> tree.
+# ---------------------------------------------------------------------------
+
+def _check_key(key: Any, parent: str) -> None:
+    where = repr(parent) if parent else "the root"
+    if not isinstance(key, str):
+        raise ValueError(f"tree keys must be strings; got {key!r} ({type(key).__name__}) under {where}")
+    if not key or "." in key:
+        raise ValueError(f"tree key {key!r} under {where} must be non-empty and contain no '.'")
+
+
+def _walk(tree: Tree, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(path, leaf)`` depth-first, validating keys and leaf types."""
+    if not isinstance(tree, dict):
+        where = f"at {prefix!r}" if prefix else "at the root"
+        raise TypeError(f"a tree must be a dict {where}; got {type(tree).__name__}")
+    for key, value in tree.items():
+        _check_key(key, prefix)
+        path = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, Tensor):
+            yield path, value
+        elif isinstance(value, dict):
+            yield from _walk(value, path)
+        elif value is not None:
+            raise TypeError(f"tree leaf at {path!r} must be a Tensor, a dict or None; got {type(value).__name__}")
+
+
+def _insert(root: Tree, path: Any, value: Any) -> None:
+    """Put ``value`` at dotted ``path`` in ``root``, creating dicts on the way.
+
+    ``None`` values are skipped (absent). Raises ``ValueError`` for a bad path or
+    when ``path`` conflicts with a leaf already in ``root``.
+    """
+    if not isinstance(path, str):
+        raise ValueError(f"paths must be strings; got {path!r} ({type(path).__name__})")
+    if value is None:
+        return
+    if not isinstance(value, Tensor):
+        raise TypeError(f"leaf at {path!r} must be a Tensor or None; got {type(value).__name__}")
+    *parents, last = path.split(".")
+    if not builtins.all(parents + [last]):
+        raise ValueError(f"path {path!r} has an empty component")
+    node, prefix = root, ""
+    for key in parents:
+        prefix = f"{prefix}.{key}" if prefix else key
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ValueError(f"conflicting paths {prefix!r} and {path!r}: {prefix!r} is a leaf")
+        node = child
+    if last in node:
+        existing = node[last]
+        if isinstance(existing, dict):
+            inner = next(_walk(existing, path))[0]
+            raise ValueError(f"conflicting paths {inner!r} and {path!r}: {path!r} is a subtree")
+        raise ValueError(f"duplicate path {path!r}")
+    node[last] = value
+
+
+# ---------------------------------------------------------------------------
+# Public functions.
+# ---------------------------------------------------------------------------
+
+def paths(tree: Tree) -> list[str]:
+    """Dotted paths of the leaves of ``tree``, depth-first in insertion order.
+
+    Arguments:
+        tree: a nested dict of tensors; ``None`` leaves are skipped.
+
+    Returns:
+        A list of dotted paths, one per leaf (a tied tensor once per path).
+
+    Raises:
+        TypeError: ``tree`` is not a dict, or a leaf is neither Tensor, dict nor None.
+        ValueError: a key is not a non-empty string without ``"."``.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> T.paths({"enc": {"weight": torch.ones(2), "bias": None}, "head": torch.ones(1)})
+        ['enc.weight', 'head']
+    """
+    return [path for path, _ in _walk(tree)]
+
+
+def leaves(tree: Tree) -> list[Tensor]:
+    """The leaves of ``tree`` in the order of :func:`paths`.
+
+    Arguments:
+        tree: a nested dict of tensors; ``None`` leaves are skipped.
+
+    Returns:
+        A list of the leaf tensors themselves (not copies).
+
+    Raises:
+        TypeError, ValueError: as :func:`paths`.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> a, b = torch.zeros(2), torch.ones(3)
+        >>> [x is y for x, y in zip(T.leaves({"a": a, "n": {"b": b}}), [a, b])]
+        [True, True]
+    """
+    return [leaf for _, leaf in _walk(tree)]
+
+
+def map(f: Callable[..., Tensor | None], tree: Tree, *rest: Tree) -> Tree:
+    """Apply ``f(leaf, *leaves_of_rest_at_same_path)`` at every leaf of ``tree``.
+
+    Arguments:
+        f: called once per path of ``tree`` (in order) with the leaf of ``tree``
+            and the leaves of each tree in ``rest`` at the same path. It returns a
+            Tensor, or ``None`` to drop that leaf (dicts left empty are pruned).
+        tree: the tree whose structure the result takes.
+        *rest: trees with exactly the same paths as ``tree`` (their insertion
+            order may differ; ``None`` leaves count as absent).
+
+    Returns:
+        A new tree with the same paths as ``tree`` minus those where ``f``
+        returned ``None``.
+
+    Raises:
+        ValueError: a tree in ``rest`` lacks a path of ``tree`` or has an extra
+            one; the message names the first such path and the argument.
+        TypeError: ``f`` returned something that is neither Tensor nor None,
+            or as :func:`paths`.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> x = {"a": torch.tensor([1.0, 2.0]), "b": {"c": torch.tensor(3.0)}}
+        >>> y = {"b": {"c": torch.tensor(1.0)}, "a": torch.tensor([1.0, 1.0])}
+        >>> T.to_flat_dict(T.map(lambda u, v: u - v, x, y))
+        {'a': tensor([0., 1.]), 'b.c': tensor(2.)}
+        >>> T.paths(T.map(lambda u: u if u.dim() else None, x))
+        ['a']
+    """
+    items = list(_walk(tree))
+    others = []
+    for i, other in enumerate(rest, start=1):
+        flat = dict(_walk(other))
+        for path, _ in items:
+            if path not in flat:
+                raise ValueError(f"tree structures differ: tree argument {i} has no leaf at {path!r}")
+        if len(flat) != len(items):
+            own = {path for path, _ in items}
+            extra = next(path for path in flat if path not in own)
+            raise ValueError(f"tree structures differ: tree argument {i} has an extra leaf at {extra!r}")
+        others.append(flat)
+    return from_flat_dict((path, f(leaf, *(o[path] for o in others))) for path, leaf in items)
+
+
+def reduce(f: Callable[[Any, Tensor], Any], tree: Tree, init: Any) -> Any:
+    """Left fold over the leaves of ``tree`` in order: ``f(...f(f(init, l0), l1)..., ln)``.
+
+    Arguments:
+        f: the binary function ``f(acc, leaf) -> acc``.
+        tree: the tree to fold over.
+        init: the starting accumulator (returned as is for a tree without leaves).
+
+    Returns:
+        The final accumulator.
+
+    Raises:
+        TypeError, ValueError: as :func:`paths`.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> T.reduce(lambda n, x: n + x.numel(), {"a": torch.ones(2, 3), "b": {"c": torch.ones(4)}}, 0)
+        10
+    """
+    return functools.reduce(f, (leaf for _, leaf in _walk(tree)), init)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafSpec:
+    """Where one leaf lives in a flat vector made by :func:`flatten`.
+
+    Attributes:
+        path: the dotted path of the leaf.
+        shape: the leaf's shape.
+        dtype: the leaf's dtype (``unflatten`` casts back to it).
+        offset: index of the leaf's first element in the vector.
+        alias_of: for a tied leaf (a tensor object already seen at an earlier
+            path), that earlier path; it then shares the earlier leaf's
+            storage in the vector. ``None`` otherwise.
+    """
+
+    path: str
+    shape: torch.Size
+    dtype: torch.dtype
+    offset: int
+    alias_of: str | None = None
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the leaf."""
+        return self.shape.numel()
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """The immutable description of a flattened tree, made by :func:`flatten`.
+
+    Attributes:
+        entries: one :class:`LeafSpec` per path, in tree order.
+        dtype: the dtype of the flat vector (promotion of all leaf dtypes).
+
+    Properties:
+        paths: the dotted paths, in order (tied leaves at each of their paths).
+        numel: the length of the flat vector (tied leaves counted once).
+    """
+
+    entries: tuple[LeafSpec, ...]
+    dtype: torch.dtype
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(e.path for e in self.entries)
+
+    @property
+    def numel(self) -> int:
+        return builtins.sum(e.numel for e in self.entries if e.alias_of is None)
+
+
+def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
+    """Concatenate all leaves of ``tree`` into one 1-D vector.
+
+    Each leaf is flattened and cast to the promoted dtype of all leaves
+    (``torch.promote_types``: fp16 + bf16 -> fp32, int64 + fp32 -> fp32). A
+    tensor object found at several paths (tied) is stored once. The result is
+    differentiable with respect to the leaves (it is a ``torch.cat``).
+
+    Arguments:
+        tree: a nested dict of tensors, all on one device.
+
+    Returns:
+        ``(vector, spec)``: the 1-D vector (an empty float32 vector for a tree
+        without leaves) and the :class:`TreeSpec` that :func:`unflatten` needs.
+
+    Raises:
+        ValueError: leaves live on different devices (names two paths and
+            their devices), or as :func:`paths`.
+        TypeError: as :func:`paths`.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> w = torch.tensor([1.0, 2.0])
+        >>> vec, spec = T.flatten({"a": w, "b": {"c": torch.tensor(3, dtype=torch.int64)}, "tied": w})
+        >>> vec
+        tensor([1., 2., 3.])
+        >>> spec.numel, spec.paths, spec.entries[2].alias_of
+        (3, ('a', 'b.c', 'tied'), 'a')
+    """
+    entries: list[LeafSpec] = []
+    chunks: list[Tensor] = []
+    first_path: dict[int, str] = {}
+    by_path: dict[str, LeafSpec] = {}
+    dtype: torch.dtype | None = None
+    device_path: tuple[str, torch.device] | None = None
+    offset = 0
+    for path, leaf in _walk(tree):
+        if device_path is None:
+            device_path = (path, leaf.device)
+        elif leaf.device != device_path[1]:
+            raise ValueError(
+                f"all leaves must be on one device: {device_path[0]!r} is on {device_path[1]}, "
+                f"{path!r} is on {leaf.device}"
+            )
+        seen = first_path.get(id(leaf))
+        if seen is not None:
+            entry = dataclasses.replace(by_path[seen], path=path, alias_of=seen)
+        else:
+            first_path[id(leaf)] = path
+            entry = LeafSpec(path, leaf.shape, leaf.dtype, offset)
+            offset += leaf.numel()
+            chunks.append(leaf.reshape(-1))
+            dtype = leaf.dtype if dtype is None else torch.promote_types(dtype, leaf.dtype)
+        by_path[path] = entry
+        entries.append(entry)
+    if dtype is None:
+        return torch.empty(0, dtype=torch.float32), TreeSpec((), torch.float32)
+    vector = torch.cat([c.to(dtype) for c in chunks])
+    return vector, TreeSpec(tuple(entries), dtype)
+
+
+def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
+    """Rebuild the tree described by ``spec`` from a flat vector; the inverse of :func:`flatten`.
+
+    Each leaf is a reshaped slice of ``vector`` cast to the leaf's recorded
+    dtype: a view sharing memory with ``vector`` when the dtypes agree, a copy
+    otherwise. Tied leaves come back as one tensor object at all their paths.
+    The round trip is bitwise exact whenever each leaf's cast to ``spec.dtype``
+    is exact. The vector may have any dtype and device.
+
+    Arguments:
+        vector: a 1-D tensor of length ``spec.numel``.
+        spec: the :class:`TreeSpec` returned by :func:`flatten`.
+
+    Returns:
+        A tree with the paths ``spec.paths``.
+
+    Raises:
+        TypeError: ``spec`` is not a TreeSpec or ``vector`` not a Tensor.
+        ValueError: ``vector`` is not 1-D or its length is not ``spec.numel``.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> t = {"w": torch.arange(6.0).reshape(2, 3), "n": {"i": torch.tensor([7, 8])}}
+        >>> vec, spec = T.flatten(t)
+        >>> back = T.unflatten(vec * 2, spec)
+        >>> back["w"]
+        tensor([[ 0.,  2.,  4.],
+                [ 6.,  8., 10.]])
+        >>> back["n"]["i"]
+        tensor([14, 16])
+    """
+    if not isinstance(spec, TreeSpec):
+        raise TypeError(f"spec must be a TreeSpec; got {type(spec).__name__}")
+    if not isinstance(vector, Tensor):
+        raise TypeError(f"vector must be a Tensor; got {type(vector).__name__}")
+    if vector.dim() != 1:
+        raise ValueError(f"vector must be 1-D with {spec.numel} elements; got {vector.dim()}-D shape {tuple(vector.shape)}")
+    if vector.numel() != spec.numel:
+        raise ValueError(f"vector has {vector.numel()} elements but the spec needs {spec.numel}")
+    made: dict[str, Tensor] = {}
+    for e in spec.entries:
+        if e.alias_of is not None:
+            made[e.path] = made[e.alias_of]
+        else:
+            made[e.path] = vector[e.offset : e.offset + e.numel].view(e.shape).to(e.dtype)
+    return from_flat_dict(made)
+
+
+def from_module(model: nn.Module, *, buffers: bool = False) -> Tree:
+    """All parameters of ``model`` as a tree (the Parameter objects themselves).
+
+    Paths are those of ``model.named_parameters()``; a tied parameter appears
+    once, at its first path in that order.
+
+    Arguments:
+        model: an ``nn.Module``.
+        buffers: also include the buffers (``named_buffers()``), after the
+            parameters; a tensor already present is not repeated.
+
+    Returns:
+        A tree of ``nn.Parameter`` (and buffer) objects.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> model = torch.nn.Sequential(lin, torch.nn.ReLU(), lin)
+        >>> T.paths(T.from_module(model))
+        ['0.weight', '0.bias']
+        >>> T.from_module(model)["0"]["weight"] is lin.weight
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    pairs = list(model.named_parameters())
+    if buffers:
+        seen = {id(p) for _, p in pairs}
+        pairs += [(path, b) for path, b in model.named_buffers() if id(b) not in seen]
+    return from_flat_dict(pairs)
+
+
+def to_flat_dict(tree: Tree) -> dict[str, Tensor]:
+    """The leaves of ``tree`` keyed by dotted path, in tree order.
+
+    Arguments:
+        tree: a nested dict of tensors; ``None`` leaves are skipped.
+
+    Returns:
+        A ``dict[str, Tensor]`` (a tied tensor under each of its paths).
+
+    Raises:
+        TypeError, ValueError: as :func:`paths`.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> list(T.to_flat_dict({"a": {"b": torch.ones(1), "c": torch.ones(2)}}))
+        ['a.b', 'a.c']
+    """
+    return dict(_walk(tree))
+
+
+def from_flat_dict(flat: Mapping[str, Tensor | None] | Iterable[tuple[str, Tensor | None]]) -> Tree:
+    """Build a tree from dotted paths; the inverse of :func:`to_flat_dict`.
+
+    Arguments:
+        flat: a mapping ``path -> Tensor`` or any iterable of ``(path, value)``
+            pairs. ``None`` values are absent and skipped.
+
+    Returns:
+        A new nested dict, keys in first-seen order.
+
+    Raises:
+        ValueError: a path is not a string, has an empty component
+            (``"a..b"``), appears twice, or conflicts with another
+            (``"a"`` and ``"a.b"``: both are named).
+        TypeError: a value is neither Tensor nor None.
+
+    Example:
+        >>> import torch
+        >>> from torchstruct import tree as T
+        >>> t = T.from_flat_dict({"enc.w": torch.ones(1), "enc.b": torch.zeros(1), "head": torch.ones(2)})
+        >>> list(t), list(t["enc"])
+        (['enc', 'head'], ['w', 'b'])
+    """
+    root: Tree = {}
+    items = flat.items() if isinstance(flat, Mapping) else flat
+    for path, value in items:
+        _insert(root, path, value)
+    return root
