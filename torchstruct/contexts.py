@@ -18,7 +18,7 @@ from typing import Callable, ClassVar
 
 from torch import nn
 
-from .declare import Entry, _state_for, _states
+from .declare import Entry, pop, push
 from .select import select
 
 __all__ = ["freeze", "freeze_except", "unfreeze"]
@@ -86,18 +86,10 @@ class _FlagContext(_Context):
         self._entry = Entry(
             self.kind, weakref.ref(model), tuple(selectors), self._kwargs["freeze_norm_stats"]
         )
-        state = _state_for(model)
-        state.entries.append(self._entry)
-        state.apply()
+        push(self._entry)
 
     def _undo(self) -> None:
-        model = self._entry.scope()
-        candidates = ([_state_for(model)] if model is not None else []) + list(_states.values())
-        for state in candidates:
-            if any(e is self._entry for e in state.entries):
-                state.entries = [e for e in state.entries if e is not self._entry]
-                state.apply()
-                return
+        pop(self._entry)
 
 
 class freeze(_FlagContext):

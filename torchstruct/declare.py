@@ -159,12 +159,15 @@ class Entry:
     freeze_norm_stats: bool = True
 
     def apply(self, flags: dict[int, bool]) -> None:
+        """Fold this context into ``flags`` (parameter id -> flag), within its scope."""
         scope = self.scope()
         if scope is None:
             return
         chosen = {id(p) for _, p in select(scope, *self.selectors, strict=False)}
         for p in scope.parameters():
             i = id(p)
+            if i not in flags:
+                continue
             if self.kind == "freeze" and i in chosen:
                 flags[i] = False
             elif self.kind == "freeze_except" and i not in chosen:
@@ -173,13 +176,40 @@ class Entry:
                 flags[i] = True
 
 
+# Every active context of every model, outermost (oldest) first. One list, so that contexts on
+# different modules that share parameters compose exactly as nested contexts do.
+_entries: list[Entry] = []
+
+
+def push(entry: Entry) -> None:
+    """Activate a context and apply the flags it changes at once."""
+    _entries.append(entry)
+    _apply_around(entry.scope())
+
+
+def pop(entry: Entry) -> None:
+    """Deactivate a context (wherever it is in the stack) and restore the flags."""
+    _entries[:] = [e for e in _entries if e is not entry]
+    _apply_around(entry.scope())
+
+
+def _apply_around(module: nn.Module | None) -> None:
+    """Apply every state whose model shares a parameter with ``module``."""
+    if module is None:
+        return
+    own = {id(p) for p in module.parameters()}
+    governing = _state_for(module)
+    for root, st in list(_states.items()):
+        if st is governing or not own.isdisjoint(id(p) for p in root.parameters()):
+            st.apply()
+
+
 @dataclass(eq=False)
 class State:
     """What torchstruct keeps for one attached model (the root)."""
 
     root: weakref.ref
     freeze_norm_stats: bool = True
-    entries: list[Entry] = field(default_factory=list)
     generation: int = -1
     idx: ParamIndex | None = None
     hook: object = None
@@ -196,7 +226,7 @@ class State:
             if getattr(p, _WRITTEN, None) is not p.requires_grad:
                 setattr(p, _BASE, p.requires_grad)  # first sight, or changed by hand
         flags = {id(p): getattr(p, _BASE) for p in idx.params}
-        for entry in self.entries:
+        for entry in _entries:
             entry.apply(flags)
         admitted = _admitted(root)
         for p in idx.params:
@@ -235,7 +265,7 @@ class State:
         if not (isinstance(mod, _NormBase) and mod.track_running_stats):
             return False
         params = [p for p in mod._parameters.values() if p is not None]
-        enabled = self.freeze_norm_stats and all(e.freeze_norm_stats for e in self.entries)
+        enabled = self.freeze_norm_stats and all(e.freeze_norm_stats for e in _entries)
         return enabled and bool(params) and not any(p.requires_grad for p in params)
 
     def _sync_norm_hooks(self, root: nn.Module) -> None:
@@ -286,7 +316,8 @@ def _states_containing(module: nn.Module) -> list[State]:
 def _state_for(module: nn.Module) -> State:
     """The state governing ``module``: its own, an attached ancestor's, or a new one.
 
-    A new state rooted at ``module`` absorbs the states of attached descendants.
+    A new state rooted at ``module`` replaces the states of attached descendants (their
+    declarations are now read from ``module`` down).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
@@ -299,7 +330,6 @@ def _state_for(module: nn.Module) -> State:
     st = State(weakref.ref(module))
     for root, other in list(_states.items()):
         if _contains(module, root):
-            st.entries.extend(other.entries)
             other.uninstall()
             del _states[root]
     _states[module] = st

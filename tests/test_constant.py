@@ -1,0 +1,151 @@
+"""constant: in-place writes to selected parameters raise before the write."""
+import pytest
+import torch
+from torch import nn
+
+import torchstruct as ts
+
+
+@pytest.fixture
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def snapshot(m):
+    return {path: p.detach().clone() for path, p in m.named_parameters()}
+
+
+def assert_unchanged(m, before):
+    for path, p in m.named_parameters():
+        assert torch.equal(p.detach(), before[path]), path
+
+
+WRITES = {
+    "add_": lambda p: p.add_(1.0),
+    "mul_": lambda p: p.mul_(2.0),
+    "copy_": lambda p: p.copy_(torch.zeros_like(p)),
+    "setitem": lambda p: p.__setitem__(0, 1.0),
+    "setitem_slice": lambda p: p.__setitem__((slice(None), 0), torch.tensor(3.0)),
+    "data_add_": lambda p: p.data.add_(1.0),
+    "detach_zero_": lambda p: p.detach().zero_(),
+    "view_fill_": lambda p: p.view(-1)[1:].fill_(5.0),
+    "out_kwarg": lambda p: torch.add(p, 1.0, out=p.data),
+    "init": lambda p: nn.init.normal_(p),
+    "foreach_add_": lambda p: torch._foreach_add_([p], 1.0),
+    "set_": lambda p: p.data.set_(torch.zeros_like(p)),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_each_in_place_write_raises_naming_the_path(model, write):
+    before = snapshot(model)
+    with ts.constant(model, "2"):
+        with torch.no_grad(), pytest.raises(RuntimeError, match=r"'2\.weight'"):
+            WRITES[write](model[2].weight)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizer_step_raises_and_changes_nothing(model, foreach):
+    model(torch.randn(5, 3)).sum().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, foreach=foreach)
+    before = snapshot(model)
+    with ts.constant(model):
+        with pytest.raises(RuntimeError, match="constant:.*'0.weight'"):
+            opt.step()
+    assert_unchanged(model, before)
+    opt.step()  # outside the block the step works
+    assert not torch.equal(model[0].weight.detach(), before["0.weight"])
+
+
+def test_reads_forward_backward_and_unselected_writes_pass(model):
+    x = torch.randn(5, 3, requires_grad=True)
+    before = snapshot(model)
+    with ts.constant(model, "0"):
+        out = model(x).sum()  # reads and out-of-place ops
+        out.backward()  # accumulating .grad is not a parameter write
+        with torch.no_grad():
+            model[2].bias.add_(1.0)  # not selected
+        model[0].weight.grad.zero_()  # gradients are not the parameter
+    assert torch.equal(model[0].weight.detach(), before["0.weight"])
+    assert torch.equal(model[2].bias.detach(), before["2.bias"] + 1.0)
+    assert x.grad is not None
+
+
+def test_protection_is_by_memory_not_by_storage():
+    flat = torch.zeros(10)
+    m = nn.Module()
+    m.a = nn.Parameter(flat[:4])  # two parameters in one buffer
+    m.b = nn.Parameter(flat[4:])
+    assert m.a.untyped_storage().data_ptr() == m.b.untyped_storage().data_ptr()
+    with ts.constant(m, "a"), torch.no_grad():
+        m.b.add_(1.0)  # same storage, other bytes: allowed
+        with pytest.raises(RuntimeError, match="'a'"):
+            flat[3:5].fill_(2.0)  # overlaps a
+    assert torch.equal(flat, torch.tensor([0.0] * 4 + [1.0] * 6))
+
+
+def test_tied_parameter_named_by_canonical_path():
+    emb = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+    m = nn.ModuleDict({"emb": emb, "head": head})
+    with ts.constant(m, "head"), torch.no_grad():
+        with pytest.raises(RuntimeError, match="'emb.weight'"):
+            m["head"].weight.zero_()
+
+
+def test_exit_restores_writes_and_block_raising(model):
+    with pytest.raises(KeyError):
+        with ts.constant(model):
+            raise KeyError("boom")
+    with torch.no_grad():
+        model[0].bias.add_(1.0)  # allowed again
+
+
+def test_nested_blocks(model):
+    with ts.constant(model, "0"), ts.constant(model, "2"), torch.no_grad():
+        for p in model.parameters():
+            with pytest.raises(RuntimeError):
+                p.add_(1.0)
+    with ts.constant(model, "0"), torch.no_grad():
+        model[2].weight.add_(1.0)
+
+
+def test_decorator_applies_per_call(model):
+    @ts.constant(model)
+    def train_step():
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+
+    with torch.no_grad():
+        model[0].bias.add_(1.0)  # decoration applied nothing
+    before = snapshot(model)
+    with pytest.raises(RuntimeError, match="'0.bias'"):
+        train_step()
+    assert_unchanged(model, before)
+
+
+def test_bad_input_changes_nothing(model):
+    with pytest.raises(ValueError, match="closest"):
+        ts.constant(model, "3.weight")
+    with pytest.raises(TypeError):
+        ts.constant(torch.zeros(2))
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # no guard left behind
+
+
+def test_compiled_code_is_guarded(model):
+    def step(x):
+        with torch.no_grad():
+            model[0].bias.add_(1.0)
+        return x * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager")
+    before = snapshot(model)
+    with ts.constant(model):
+        with pytest.raises(RuntimeError, match="'0.bias'"):
+            compiled(torch.ones(2))
+    assert_unchanged(model, before)

@@ -1,0 +1,351 @@
+"""Block-local contexts on parameters: ``stop_gradient``, ``constant``, ``swap``.
+
+Unlike :func:`~torchstruct.freeze`, these change no ``requires_grad`` flag and no module
+attribute: they act on the *operations executed inside the block*.
+
+- :class:`stop_gradient` and :class:`swap` install a ``torch.overrides.TorchFunctionMode`` that
+  replaces each selected parameter, wherever it appears in the arguments of a torch function or
+  tensor method, by a stand-in: its ``.detach()`` alias (``stop_gradient``) or the tree's tensor
+  (``swap``). Parameters are recognised by identity, so cached references (``nn.LSTM``'s
+  ``_flat_weights``) and tied parameters are covered. Property reads see the stand-in
+  (``p.T``, ``p.shape``; ``p.requires_grad`` is False inside ``stop_gradient``), except
+  ``p.grad`` inside ``stop_gradient``, which stays the parameter's own; property writes
+  (``p.requires_grad = ...``, ``p.grad = ...``) act on the parameter itself.
+- :class:`constant` installs a ``torch.utils._python_dispatch.TorchDispatchMode`` that reads
+  each aten op's schema and raises before an op writes into the memory of a selected parameter.
+
+All three are :class:`~torchstruct.contexts._Context` classes: ``with`` for a block, a bare
+call for "from now on", ``@`` on a function for every call of it. They validate their input
+before changing anything. Blocks exit in reverse order of entry (they are mode stacks).
+
+Limits: a ``torch.autograd.Function.apply`` call does not pass through torch function modes,
+so a parameter handed *directly* to a custom autograd function is not replaced (operations on it
+before the call are). Modes are thread-local and last while the block is open: a checkpointed
+function recomputed during backward must enter the block itself. ``torch.compile`` (torch >= 2.5)
+traces through an active block (the mode's handler is traced); entering or leaving a block
+*inside* a compiled function is a graph break. ``constant`` runs the compiled code's operations
+through its dispatch mode as well.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .contexts import _Context
+from .select import _closest, index, select
+from .tree import to_flat_dict
+
+__all__ = ["stop_gradient", "constant", "swap"]
+
+
+def _check_model(ctx: str, model) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{ctx}: first argument must be an nn.Module, got {type(model).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Substitution of parameters in the arguments of torch functions.
+
+
+class _Substitute(TorchFunctionMode):
+    """Replace ``table[id(p)] = (p, make)`` parameters by ``make(p)`` in every torch call.
+
+    Attribute writes (``p.requires_grad = ...``, ``p.grad = ...``) and reads of the attributes
+    named in ``own`` keep acting on the parameter itself.
+    """
+
+    def __init__(self, table: dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]],
+                 own: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.table = table
+        self.own = own
+
+    def _sub(self, x):
+        if isinstance(x, Tensor):
+            hit = self.table.get(id(x))
+            return hit[1](x) if hit is not None and hit[0] is x else x
+        if isinstance(x, (list, tuple)):
+            out = [self._sub(v) for v in x]
+            if all(a is b for a, b in zip(out, x)):
+                return x
+            return type(x)(*out) if hasattr(x, "_fields") else type(x)(out)  # namedtuple
+        if isinstance(x, dict):
+            return {k: self._sub(v) for k, v in x.items()}
+        return x
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if name == "__get__":  # a property read: which property?
+            name = getattr(getattr(func, "__self__", None), "__name__", None)
+        if name in ("__set__", "__delete__") or name in self.own:
+            return func(*args, **kwargs)
+        return func(*self._sub(args), **self._sub(kwargs))
+
+
+class _SubstituteBlock(_Context):
+    own: frozenset[str] = frozenset()  # attributes read from the parameter itself
+
+    def _table(self) -> dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]]:
+        raise NotImplementedError
+
+    @torch.compiler.disable
+    def _apply(self) -> None:
+        mode = _Substitute(self._table(), self.own)  # validates; raises before any change
+        mode.__enter__()
+        self._mode = mode
+
+    @torch.compiler.disable
+    def _undo(self) -> None:
+        self._mode.__exit__(None, None, None)
+
+
+def _detach(p: Tensor) -> Tensor:
+    return p.detach()
+
+
+class stop_gradient(_SubstituteBlock):
+    """Inside the block, the selected parameters are constants for autograd.
+
+    Every torch operation executed in the block sees a ``.detach()`` alias of each selected
+    parameter (same memory, no graph), so it contributes no gradient to that parameter, while
+    gradients still flow to every other input. The same parameters used before or after the
+    block (or in another block that does not select them) get their gradients as usual, so one
+    forward pass may block different partitions of the weights in different parts. Blocks
+    nest: a parameter is blocked when any enclosing block selects it.
+
+    Arguments:
+        model: the module whose parameters are selected.
+        *selectors: which parameters (see :func:`~torchstruct.select`); none means all of
+            ``model``. Resolved when the block is entered.
+        strict: when True (default) a selector that matches nothing raises.
+
+    Returns:
+        The context (use with ``with``, as a decorator, or call it bare to apply from now on).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or a selector has an unsupported type.
+        ValueError: a selector matching nothing (naming the closest paths).
+
+    Example:
+        >>> import torch, torch.nn as nn, torchstruct as ts
+        >>> m = nn.Linear(2, 1)
+        >>> x = torch.ones(1, 2, requires_grad=True)
+        >>> with ts.stop_gradient(m, "weight"):
+        ...     y = m(x)
+        >>> y.sum().backward()
+        >>> m.weight.grad is None, m.bias.grad, x.grad is not None
+        (True, tensor([1.]), True)
+    """
+
+    own = frozenset({"grad", "_grad"})  # p.grad is the parameter's own gradient
+
+    def __init__(self, model: nn.Module, *selectors, strict: bool = True) -> None:
+        super().__init__(model, *selectors, strict=strict)
+
+    def _table(self):
+        model, *selectors = self._args
+        _check_model("stop_gradient", model)
+        chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
+        return {id(p): (p, _detach) for _, p in chosen}
+
+
+class swap(_SubstituteBlock):
+    """Inside the block, the tree's tensors stand in for the model's parameters.
+
+    Every torch operation executed in the block sees ``tree``'s tensor wherever it would see
+    the parameter at that path (EMA weights for evaluation, lookahead weights, ...). Gradients
+    reach the swapped-in tensors that require grad. The module itself is not modified: its
+    attributes still hold the original ``nn.Parameter`` objects, which are bitwise untouched and
+    in use again on exit, also when the block raises. The tree may be **partial**: only the
+    paths it names are swapped. A tied parameter is named by its canonical (first) path and is
+    swapped at all of its uses.
+
+    Arguments:
+        model: the module whose parameters are replaced.
+        tree: a nested dict of tensors following the module tree (build one from dotted
+            paths with ``ts.tree.from_flat_dict``); ``None`` leaves are skipped. Each tensor
+            must have the shape, dtype and device of the parameter it replaces.
+
+    Returns:
+        The context (use with ``with``, as a decorator, or call it bare to apply from now on).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or a leaf is not a tensor.
+        ValueError: a path that is not a parameter of ``model`` (naming the closest paths), a
+            non-canonical path of a tied parameter, or a shape/dtype/device mismatch, naming
+            the path. Nothing is changed.
+
+    Example:
+        >>> import torch, torch.nn as nn, torchstruct as ts
+        >>> m = nn.Linear(2, 1)
+        >>> with ts.swap(m, {"weight": torch.zeros(1, 2), "bias": torch.ones(1)}):
+        ...     m(torch.ones(1, 2))
+        tensor([[1.]])
+    """
+
+    def __init__(self, model: nn.Module, tree: dict) -> None:
+        super().__init__(model, tree)
+
+    def _table(self):
+        model, tree = self._args
+        _check_model("swap", model)
+        if not isinstance(tree, dict):
+            raise TypeError(f"swap: tree must be a dict, got {type(tree).__name__}")
+        flat = to_flat_dict(tree)  # checks keys and leaves, naming the path
+        idx = index(model)
+        canonical = {ps[0]: p for p, ps in zip(idx.params, idx.paths)}
+        alias = {path: ps[0] for ps in idx.paths for path in ps[1:]}
+        table = {}
+        for path, t in flat.items():
+            if path in alias:
+                raise ValueError(
+                    f"swap: {path!r} is a tied parameter; name it at its canonical path "
+                    f"{alias[path]!r} (that swaps all of its uses)"
+                )
+            p = canonical.get(path)
+            if p is None:
+                raise ValueError(
+                    f"swap: {path!r} is not a parameter of the model; closest paths: "
+                    f"{_closest(path, list(canonical))}"
+                )
+            for what in ("shape", "dtype", "device"):
+                want, got = getattr(p, what), getattr(t, what)
+                if want != got:
+                    raise ValueError(
+                        f"swap: {what} mismatch at {path!r}: the parameter has {_show(want)}, "
+                        f"the tree's tensor has {_show(got)}"
+                    )
+            table[id(p)] = (p, lambda _p, t=t: t)
+        return table
+
+
+def _show(v) -> str:
+    return str(tuple(v)) if isinstance(v, torch.Size) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Write protection at the aten level.
+
+_WRITES: dict = {}  # OpOverload -> ((position, name), ...) of its written arguments
+
+
+def _written_args(func) -> tuple[tuple[int, str], ...]:
+    hit = _WRITES.get(func)
+    if hit is None:
+        schema = func._schema
+        hit = tuple(
+            (i, a.name)
+            for i, a in enumerate(schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write
+        )
+        _WRITES[func] = hit
+    return hit
+
+
+def _extent(t: Tensor) -> tuple[int, int]:
+    """The byte range ``[start, end)`` that ``t`` may touch."""
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    return (start, start + span * t.element_size())
+
+
+class _Guard(TorchDispatchMode):
+    """Raise before an aten op writes into a protected byte range."""
+
+    def __init__(self, protected: list[tuple[str, Tensor]]) -> None:
+        super().__init__()
+        self.by_storage: dict[int, list[tuple[str, int, int]]] = {}
+        for path, p in protected:
+            lo, hi = _extent(p)
+            key = p.untyped_storage().data_ptr()
+            self.by_storage.setdefault(key, []).append((path, lo, hi))
+
+    def _hit(self, t) -> str | None:
+        if not isinstance(t, Tensor):
+            return None
+        try:
+            spans = self.by_storage.get(t.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
+            return None
+        if spans:
+            lo, hi = _extent(t)
+            for path, plo, phi in spans:
+                if lo < phi and plo < hi:
+                    return path
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, name in _written_args(func):
+            arg = args[i] if i < len(args) else kwargs.get(name)
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                path = self._hit(t)
+                if path is not None:
+                    raise RuntimeError(
+                        f"constant: {func._schema.name} would modify parameter {path!r} in "
+                        "place inside a ts.constant block"
+                    )
+        return func(*args, **kwargs)
+
+
+class constant(_Context):
+    """Inside the block, the selected parameters are read-only.
+
+    Any in-place change of a selected parameter executed in the block raises ``RuntimeError``
+    naming its path, *before* the write, so the parameter is unchanged: in-place methods
+    (``add_``, ``copy_``, ``p[0] = 1``), writes through aliases (``p.data.add_``, views),
+    ``out=`` arguments, ``torch._foreach_*_`` and therefore optimizer steps. Reads and
+    out-of-place operations pass. Protection is by memory: any tensor sharing the
+    parameter's memory is protected too. The parameter's memory is taken when the block is
+    entered (``p.data = other`` inside the block is not seen).
+
+    Arguments:
+        model: the module whose parameters are selected.
+        *selectors: which parameters (see :func:`~torchstruct.select`); none means all of
+            ``model``.
+        strict: when True (default) a selector that matches nothing raises.
+
+    Returns:
+        The context (use with ``with``, as a decorator, or call it bare to apply from now on).
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module`` or a selector has an unsupported type.
+        ValueError: a selector matching nothing (naming the closest paths).
+        RuntimeError: (inside the block) an operation that would write a selected parameter.
+
+    Example:
+        >>> import torch, torch.nn as nn, torchstruct as ts
+        >>> m = nn.Linear(2, 1)
+        >>> with ts.constant(m, "bias"):
+        ...     m.weight.data.zero_()  # not selected: allowed
+        ...     try:
+        ...         m.bias.data.add_(1)
+        ...     except RuntimeError as e:
+        ...         print(e)
+        tensor([[0., 0.]])
+        constant: aten::add_ would modify parameter 'bias' in place inside a ts.constant block
+    """
+
+    def __init__(self, model: nn.Module, *selectors, strict: bool = True) -> None:
+        super().__init__(model, *selectors, strict=strict)
+
+    @torch.compiler.disable
+    def _apply(self) -> None:
+        model, *selectors = self._args
+        _check_model("constant", model)
+        chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
+        protected = [(path, p) for path, p in chosen if p.numel() and p.layout == torch.strided]
+        mode = _Guard(protected)
+        mode.__enter__()
+        self._mode = mode
+
+    @torch.compiler.disable
+    def _undo(self) -> None:
+        self._mode.__exit__(None, None, None)

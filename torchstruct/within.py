@@ -1,0 +1,104 @@
+"""``within_gradient``: is autograd recording a graph through these tensors right now?
+
+A layer that behaves differently in training and evaluation (dropout, noise injection, a
+straight-through estimator) can ask this instead of reading a ``training`` flag. The answer is
+about the *tensors*: it is True when some differentiation mode will carry a derivative through
+one of them, whichever of PyTorch's modes that is:
+
+- eager reverse mode: grad mode is enabled and the tensor requires grad (this covers
+  ``loss.backward()``, ``torch.autograd.grad`` and the recompute of
+  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``, which runs under grad mode);
+- ``torch.func.grad`` / ``vjp`` / ``jacrev`` (and ``vmap`` nested inside them): the functorch
+  wrapper of the tensor requires grad at its level;
+- forward mode: the tensor is a dual of ``torch.autograd.forward_ad`` or ``torch.func.jvp``
+  with a tangent at the current level.
+
+It is False under ``torch.no_grad()`` and ``torch.inference_mode()`` for reverse mode. Note
+that PyTorch's ``no_grad`` does not apply to forward mode: a dual tensor keeps propagating its
+tangent under ``no_grad``, so ``within_gradient`` stays True for it there (it is False under
+``inference_mode``, which stops tangents as well).
+
+Under ``torch.compile`` (also ``fullgraph=True``) the check reduces to ``torch.is_grad_enabled()``
+and ``x.requires_grad``, which dynamo specializes and guards on: each branch of a function that
+branches on it is compiled for the mode it is called in, without a graph break.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import forward_ad as _fwad
+
+__all__ = ["within_gradient"]
+
+_functorch = torch._C._functorch
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    if compiler is not None and hasattr(compiler, "is_compiling"):
+        return compiler.is_compiling()
+    return torch._dynamo.is_compiling()  # pragma: no cover - very old torch
+
+
+def _has_tangent(t: Tensor) -> bool:
+    if _fwad._current_level < 0 or _functorch.is_batchedtensor(t):
+        return False  # no forward-AD level is open / a vmap wrapper carries no tangent itself
+    try:
+        return _fwad.unpack_dual(t).tangent is not None
+    except RuntimeError:  # pragma: no cover - a functorch layer without a rule for unpack_dual
+        return False
+
+
+def _tracked(t: Tensor) -> bool:
+    grad_mode = torch.is_grad_enabled()
+    if _compiling():
+        return grad_mode and t.requires_grad
+    while True:
+        if (grad_mode and t.requires_grad) or _has_tangent(t):
+            return True
+        if not _functorch.is_functorch_wrapped_tensor(t):
+            return False
+        t = _functorch.get_unwrapped(t)  # e.g. a vmap wrapper inside torch.func.grad
+
+
+def within_gradient(*xs: Tensor | nn.Module) -> bool:
+    """Whether autograd is recording a graph through any of ``xs`` now.
+
+    Arguments:
+        *xs: tensors or modules; a module counts when any of its parameters does.
+
+    Returns:
+        True when a differentiation mode carries a derivative through one of ``xs``: eager
+        autograd (grad mode on and ``requires_grad``), ``torch.func.grad``/``vjp``/``jacrev``,
+        or a forward-mode dual (``torch.autograd.forward_ad``, ``torch.func.jvp``). False
+        under ``torch.no_grad()`` (reverse mode) and ``torch.inference_mode()``, and when no
+        argument is given.
+
+    Raises:
+        TypeError: an argument that is neither a tensor nor a module.
+
+    Example:
+        >>> import torch, torchstruct as ts
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> ts.within_gradient(x), ts.within_gradient(x.detach())
+        (True, False)
+        >>> with torch.no_grad():
+        ...     ts.within_gradient(x)
+        False
+        >>> f = lambda t: (t * 2 if ts.within_gradient(t) else t).sum()
+        >>> torch.func.grad(f)(torch.ones(2))
+        tensor([2., 2.])
+    """
+    for i, x in enumerate(xs):
+        if isinstance(x, nn.Module):
+            if any(_tracked(p) for p in x.parameters()):
+                return True
+        elif isinstance(x, Tensor):
+            if _tracked(x):
+                return True
+        else:
+            raise TypeError(
+                f"within_gradient: argument {i} must be a Tensor or an nn.Module, got "
+                f"{type(x).__name__}"
+            )
+    return False
