@@ -6,7 +6,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import _ops
+from . import _ops, tree
 from .declare import trainable_parameters
 
 __all__ = ["global_norm"]
@@ -18,11 +18,8 @@ def _tensors(x) -> list[torch.Tensor]:
         return [p.grad for _, p in trainable_parameters(x) if p.grad is not None]
     if isinstance(x, torch.Tensor):
         return [x]
-    if isinstance(x, dict):
-        out: list[torch.Tensor] = []
-        for v in x.values():
-            out.extend(_tensors(v) if v is not None else [])
-        return out
+    if isinstance(x, dict):  # a tree: its leaves, a tensor held at several paths once
+        return list({id(t): t for t in tree.leaves(x)}.values())
     if isinstance(x, Iterable):
         items = list(x)
         for i, t in enumerate(items):

@@ -1,0 +1,264 @@
+"""Structural gradients: the gradient of a loss as a tree that follows the model.
+
+- :func:`structural_grad` differentiates a scalar loss with respect to the trainable parameters
+  of a model (or a selector ``wrt`` given at the call) and returns a tree of gradients.
+- :func:`value_and_grad` runs ``fn(model, *args)`` and returns its value with that tree.
+- :func:`grad_tree` reads the ``.grad`` fields PyTorch accumulated, as a tree.
+
+Rules shared by all three:
+
+- A tied parameter (one object at several paths) has one leaf, at its first path in
+  ``named_parameters()`` order, holding the total gradient over every use.
+- Gradients come from ``torch.autograd.grad(loss, asked, allow_unused=True)``: no ``.grad`` is
+  read or written, and autograd runs only the part of the graph that leads to the asked
+  parameters (the weight-gradient products of the others are never computed).
+- An asked parameter the loss does not depend on gets ``torch.zeros_like(param)``: a tree always
+  has one leaf per asked parameter, so it can be fed to an update or a norm as is.
+- When ``loss`` is a callable and ``wrt`` is given, the forward runs with exactly the asked
+  parameters requiring grad (every other parameter of the model has ``requires_grad=False``
+  during the call; all flags are restored afterwards, also when the call raises). Declarations
+  and contexts are not consulted for that call, and normalization statistics behave exactly as
+  they would outside it, so the loss value is the same as ``loss(model)``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import tree as _tree
+from .declare import trainable_parameters
+from .select import index, select
+
+__all__ = ["structural_grad", "value_and_grad", "grad_tree"]
+
+Pairs = list[tuple[str, nn.Parameter]]
+
+
+def _asked(model: nn.Module, wrt) -> Pairs:
+    """The parameters whose gradients are asked for: ``wrt``'s selection, or the trainable ones."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"expected an nn.Module as model, got {type(model).__name__}")
+    trainable = list(trainable_parameters(model))  # also attaches the model
+    return trainable if wrt is None else select(model, wrt)
+
+
+class _only:
+    """Within the block, exactly the ``asked`` parameters of ``model`` require grad.
+
+    Every flag is restored on exit, also when the block raises.
+    """
+
+    def __init__(self, model: nn.Module, asked: Pairs) -> None:
+        self.params = index(model).params
+        self.ids = {id(p) for _, p in asked}
+
+    def __enter__(self) -> None:
+        self.before = [p.requires_grad for p in self.params]
+        for p in self.params:
+            p.requires_grad_(id(p) in self.ids)
+
+    def __exit__(self, *exc) -> None:
+        for p, flag in zip(self.params, self.before):
+            p.requires_grad_(flag)
+
+
+def _check_loss(loss) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(
+            f"structural_grad: loss must be a scalar tensor or a callable returning one, got "
+            f"{type(loss).__name__}"
+        )
+    if loss.numel() != 1:
+        raise ValueError(
+            f"structural_grad: loss must be a scalar (one element), got shape {tuple(loss.shape)}"
+        )
+    return loss
+
+
+def _check_frozen(loss: torch.Tensor, asked: Pairs) -> None:
+    """A loss computed before the call has no graph to a parameter that does not require grad."""
+    frozen = [path for path, p in asked if not p.requires_grad]
+    if frozen:
+        more = f" (nor to {len(frozen) - 1} more)" if len(frozen) > 1 else ""
+        raise ValueError(
+            f"structural_grad: parameter {frozen[0]!r} does not require grad, so the loss "
+            f"(already computed) has no graph to it{more}; pass the loss as a callable "
+            "`loss(model)` so that the forward runs with the wrt parameters requiring grad"
+        )
+
+
+def _check_requires_grad(loss: torch.Tensor) -> None:
+    if not loss.requires_grad:
+        raise ValueError(
+            "structural_grad: the loss does not require grad (computed under torch.no_grad(), or "
+            "from frozen parameters only)"
+        )
+
+
+def structural_grad(
+    model: nn.Module,
+    loss,
+    *,
+    wrt=None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+) -> dict:
+    """The gradient of a scalar loss as a tree following ``model``.
+
+    Arguments:
+        model: the module whose parameters are differentiated.
+        loss: a scalar tensor already computed from ``model``, or a callable
+            ``loss(model) -> scalar tensor`` (called once here). With a callable and ``wrt``
+            given, the forward runs with exactly the ``wrt`` parameters requiring grad, so
+            autograd neither records nor saves anything for the others.
+        wrt: a selector (see :func:`torchstruct.select`) picking the parameters to
+            differentiate, for this call only. ``None``: the effectively trainable parameters.
+        retain_graph: keep the graph for another backward; defaults to ``create_graph``.
+        create_graph: record the backward itself, making the gradients differentiable
+            (gradient penalties, Hessian-vector products).
+
+    Returns:
+        A tree with one leaf per asked parameter (a tied parameter once, at its first path, with
+        the total gradient over all its uses). A parameter the loss does not depend on gets
+        ``torch.zeros_like(param)``. No ``.grad`` field is read or written.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``loss`` is neither tensor nor callable, or the
+            callable does not return a tensor.
+        ValueError: the loss is not a scalar or does not require grad; an asked parameter does
+            not require grad when ``loss`` is a tensor (it has no graph; the message names its
+            path); a ``wrt`` selector matching nothing (closest paths named).
+        RuntimeError: an asked parameter stopped requiring grad while the loss callable ran.
+
+    Example:
+        >>> import torch, torch.nn as nn, torchstruct as ts
+        >>> m = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+        >>> x = torch.randn(4, 3)
+        >>> g = ts.structural_grad(m, lambda m: m(x).sum(), wrt="1")
+        >>> ts.tree.paths(g)
+        ['1.weight', '1.bias']
+        >>> m[1].weight.grad is None
+        True
+    """
+    asked = _asked(model, wrt)
+    if not callable(loss):
+        _check_frozen(_check_loss(loss), asked)
+        return _grads(loss, asked, retain_graph, create_graph)
+    if wrt is None:
+        return _grads(_called(loss, model, asked), asked, retain_graph, create_graph)
+    with _only(model, asked):  # autograd.grad also needs the flags on
+        return _grads(_called(loss, model, asked), asked, retain_graph, create_graph)
+
+
+def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
+    """``loss_fn(model)``, checked; an asked parameter switched off during the call is an error."""
+    loss = _check_loss(loss_fn(model))
+    off = [path for path, p in asked if not p.requires_grad]
+    if off:
+        raise RuntimeError(
+            f"structural_grad: parameter {off[0]!r} stopped requiring grad during the loss call "
+            "(a context, a declaration re-applied after a module was registered, or "
+            "requires_grad_(False) inside the callable); its gradient cannot be taken"
+        )
+    return loss
+
+
+def _grads(loss: torch.Tensor, asked: Pairs, retain_graph, create_graph) -> dict:
+    """``torch.autograd.grad`` of ``loss`` w.r.t. exactly ``asked``, as a tree (zeros if unused)."""
+    if not asked:
+        return {}
+    _check_requires_grad(loss)
+    grads = torch.autograd.grad(
+        loss,
+        [p for _, p in asked],
+        allow_unused=True,
+        retain_graph=retain_graph,
+        create_graph=create_graph,
+    )
+    return _tree.from_flat_dict(
+        (path, torch.zeros_like(p) if g is None else g) for (path, p), g in zip(asked, grads)
+    )
+
+
+def _split_aux(out, has_aux: bool):
+    if not has_aux:
+        return out, None
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            "value_and_grad: with has_aux=True, fn must return a pair (value, aux), got "
+            f"{type(out).__name__}"
+        )
+    return out
+
+
+def value_and_grad(fn: Callable, model: nn.Module, *args, has_aux: bool = False, wrt=None):
+    """Evaluate ``fn(model, *args)`` and its structural gradient in one forward.
+
+    Arguments:
+        fn: ``fn(model, *args) -> scalar tensor``, or ``-> (scalar tensor, aux)`` with
+            ``has_aux=True``.
+        model: the module differentiated.
+        *args: passed to ``fn`` after ``model``.
+        has_aux: ``fn`` returns ``(value, aux)``; ``aux`` is returned untouched.
+        wrt: as in :func:`structural_grad` (the forward runs with exactly these parameters
+            requiring grad).
+
+    Returns:
+        ``(value, grads)`` or ``((value, aux), grads)``: ``value`` is detached from the graph,
+        ``grads`` is the tree :func:`structural_grad` returns.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or with ``has_aux`` does not return a pair.
+        ValueError: as :func:`structural_grad`.
+
+    Example:
+        >>> import torch, torch.nn as nn, torchstruct as ts
+        >>> m = nn.Linear(2, 1)
+        >>> (v, n), g = ts.value_and_grad(lambda m, x: (m(x).sum(), len(x)), m, torch.ones(3, 2),
+        ...                               has_aux=True)
+        >>> n, sorted(g)
+        (3, ['bias', 'weight'])
+        >>> float(g["bias"])
+        3.0
+    """
+    if not callable(fn):
+        raise TypeError(f"value_and_grad: fn must be callable, got {type(fn).__name__}")
+    seen: list = []
+
+    def loss(m: nn.Module) -> torch.Tensor:
+        value, aux = _split_aux(fn(m, *args), has_aux)
+        seen.append((value, aux))
+        return value
+
+    grads = structural_grad(model, loss, wrt=wrt)
+    value, aux = seen[0]
+    value = value.detach()
+    return ((value, aux) if has_aux else value), grads
+
+
+def grad_tree(model: nn.Module) -> dict:
+    """The current ``.grad`` fields of the trainable parameters of ``model``, as a tree.
+
+    Arguments:
+        model: the module.
+
+    Returns:
+        A tree of the ``.grad`` tensors themselves (not copies), tied parameters once at their
+        first path; parameters whose ``.grad`` is ``None`` are absent.
+
+    Raises:
+        TypeError: ``model`` is not a module.
+
+    Example:
+        >>> import torch, torch.nn as nn, torchstruct as ts
+        >>> m = nn.Linear(2, 1)
+        >>> m(torch.ones(1, 2)).sum().backward()
+        >>> g = ts.grad_tree(m)
+        >>> g["bias"] is m.bias.grad
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"grad_tree: expected an nn.Module, got {type(model).__name__}")
+    return _tree.from_flat_dict((path, p.grad) for path, p in trainable_parameters(model))

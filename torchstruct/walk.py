@@ -1,0 +1,192 @@
+"""Walking a model and trees together, with trainability taken from the model.
+
+- :func:`map_trainable` calls ``f(param, *leaves)`` at each trainable parameter of a model, the
+  leaves looked up by the parameter's path in each tree, and returns the results as a tree.
+- :func:`polyak_update` moves a model's trainable parameters towards a source (a model or a
+  tree) in one fused, in-place pass: ``target <- (1 - tau) * target + tau * source``.
+
+Matching trees to a model (both functions):
+
+- A trainable parameter is visited once, at its first path in ``named_parameters()`` order
+  (tied parameters included), and must have a leaf at that path in every tree (``ValueError``
+  naming the path otherwise).
+- Leaves at other parameter paths of the model (frozen parameters, the later paths of a tied
+  parameter) are ignored: a tree covering the whole model is fine. A leaf at a path that names
+  no parameter of the model raises ``ValueError`` naming it (the tree does not match the model),
+  and so does a leaf at a later path of a tied parameter that is not the very tensor found at
+  its first path (the tie would silently lose it).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from . import tree as _tree
+from .declare import trainable_parameters
+from .select import _closest, index
+
+__all__ = ["map_trainable", "polyak_update"]
+
+Pairs = list[tuple[str, nn.Parameter]]
+
+
+def _trainable(model: nn.Module, who: str) -> Pairs:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: expected an nn.Module, got {type(model).__name__}")
+    return list(trainable_parameters(model))
+
+
+def _leaves_for(model: nn.Module, pairs: Pairs, tree: dict, what: str) -> list[torch.Tensor]:
+    """The leaf of ``tree`` at each path of ``pairs``; checks the tree against the model."""
+    flat = _tree.to_flat_dict(tree)
+    idx = index(model)
+    first = {path: ps[0] for ps in idx.paths for path in ps}
+    for path, leaf in flat.items():
+        if path not in first:
+            raise ValueError(
+                f"{what} has a leaf at {path!r}, which is not a parameter path of the model; "
+                f"closest: {_closest(path, idx.all_paths())}"
+            )
+        canon = first[path]
+        if canon != path and canon in flat and flat[canon] is not leaf:
+            raise ValueError(
+                f"{what} has different leaves at {canon!r} and {path!r}, two paths of one tied "
+                f"parameter; a tied parameter lives once, at its first path {canon!r}"
+            )
+    missing = [path for path, _ in pairs if path not in flat]
+    if missing:
+        raise ValueError(
+            f"{what} has no leaf at {missing[0]!r}, a trainable parameter of the model"
+            + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else "")
+        )
+    return [flat[path] for path, _ in pairs]
+
+
+def map_trainable(f: Callable, model: nn.Module, *trees: dict) -> dict:
+    """``f(param, *leaves)`` at every trainable parameter of ``model``, as a tree.
+
+    Arguments:
+        f: called once per trainable parameter (tied ones once), in ``named_parameters()``
+            order, with the parameter and the leaf of each tree at its path. It returns a
+            tensor, or ``None`` to leave that path out of the result.
+        model: the module whose trainability decides where ``f`` is called.
+        *trees: trees (e.g. gradients from :func:`~torchstruct.structural_grad`) with a leaf at
+            every trainable path; leaves at other parameter paths are ignored (see the module
+            docstring).
+
+    Returns:
+        A tree of ``f``'s results at the trainable paths.
+
+    Raises:
+        TypeError: ``model`` is not a module, a tree is not a tree, or ``f`` returned something
+            that is neither tensor nor None.
+        ValueError: a tree lacks a trainable path, or has a leaf at a path that is no parameter
+            path of the model (the message names the path and the tree).
+
+    Example:
+        >>> import torch, torch.nn as nn, torchstruct as ts
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> grads = ts.tree.map(torch.ones_like, ts.tree.from_module(m))
+        >>> with ts.freeze(m, "0"):
+        ...     sq = ts.map_trainable(lambda p, g: (g * g).sum(), m, grads)
+        >>> ts.tree.to_flat_dict(sq)
+        {'1.weight': tensor(2.), '1.bias': tensor(1.)}
+    """
+    pairs = _trainable(model, "map_trainable")
+    columns = [_leaves_for(model, pairs, t, f"tree argument {i}") for i, t in enumerate(trees, 1)]
+    rows = zip(*columns) if columns else ((),) * len(pairs)
+    return _tree.from_flat_dict((path, f(p, *row)) for (path, p), row in zip(pairs, rows))
+
+
+def _check_tau(tau) -> float:
+    if isinstance(tau, torch.Tensor):
+        if tau.numel() != 1:
+            raise ValueError(f"polyak_update: tau must be a number, got a tensor of shape {tuple(tau.shape)}")
+        tau = tau.item()
+    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
+        raise TypeError(f"polyak_update: tau must be a number, got {type(tau).__name__}")
+    if not (0.0 <= tau <= 1.0) or math.isnan(tau):
+        raise ValueError(f"polyak_update: tau must be in [0, 1], got {tau}")
+    return float(tau)
+
+
+def _source_tree(target: nn.Module, pairs: Pairs, source) -> list[torch.Tensor]:
+    if isinstance(source, nn.Module):
+        flat = dict(source.named_parameters(remove_duplicate=False))
+        missing = [path for path, _ in pairs if path not in flat]
+        if missing:
+            raise ValueError(
+                f"polyak_update: source module has no parameter at {missing[0]!r}, a trainable "
+                f"parameter of the target; closest: {_closest(missing[0], list(flat))}"
+            )
+        return [flat[path] for path, _ in pairs]
+    if isinstance(source, dict):
+        return _leaves_for(target, pairs, source, "polyak_update: source tree")
+    raise TypeError(f"polyak_update: source must be an nn.Module or a tree, got {type(source).__name__}")
+
+
+def _check_pairs(pairs: Pairs, sources: list[torch.Tensor]) -> None:
+    for (path, p), s in zip(pairs, sources):
+        if s.shape != p.shape or s.dtype != p.dtype or s.device != p.device:
+            raise ValueError(
+                f"polyak_update: at {path!r} the source is {tuple(s.shape)} {s.dtype} on "
+                f"{s.device} but the target is {tuple(p.shape)} {p.dtype} on {p.device}"
+            )
+        if s.is_sparse or p.is_sparse:
+            raise ValueError(f"polyak_update: sparse tensor at {path!r} is not supported")
+
+
+@torch.no_grad()
+def _lerp(targets: list[torch.Tensor], sources: list[torch.Tensor], tau: float) -> None:
+    """``t.lerp_(s, tau)`` for all pairs: one ``_foreach_lerp_`` per (device, dtype) group."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for t, s in zip(targets, sources):
+        ts_, ss = groups.setdefault((t.device, t.dtype), ([], []))
+        ts_.append(t)
+        ss.append(s)
+    for ts_, ss in groups.values():
+        torch._foreach_lerp_(ts_, ss, tau)
+
+
+def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
+    """``target <- (1 - tau) * target + tau * source`` over the trainable parameters of ``target``.
+
+    In place, under ``torch.no_grad()``, in one fused pass (``torch._foreach_lerp_`` per
+    device and dtype). A tied parameter is updated once. Everything is validated before
+    anything is written: on error no parameter has changed.
+
+    Arguments:
+        target: the module updated (its trainable parameters, tied ones once).
+        source: a module (parameters matched by path; it may have extra ones) or a tree with
+            a leaf at every trainable path of ``target``.
+        tau: the weight of ``source``, in [0, 1] (``0`` keeps ``target``, ``1`` copies
+            ``source``).
+
+    Returns:
+        ``target``.
+
+    Raises:
+        ValueError: ``tau`` outside [0, 1]; a trainable path missing from ``source``; a source
+            tensor whose shape, dtype or device differs from the target's (path named).
+        TypeError: ``target`` is not a module, ``source`` neither module nor tree, or ``tau``
+            not a number.
+
+    Example:
+        >>> import torch, torch.nn as nn, torchstruct as ts
+        >>> target, online = nn.Linear(2, 1), nn.Linear(2, 1)
+        >>> with torch.no_grad():
+        ...     _ = target.bias.fill_(0.0), online.bias.fill_(1.0)
+        >>> _ = ts.polyak_update(target, online, tau=0.25)
+        >>> float(target.bias.detach())
+        0.25
+    """
+    tau = _check_tau(tau)
+    pairs = _trainable(target, "polyak_update")
+    sources = _source_tree(target, pairs, source)
+    _check_pairs(pairs, sources)
+    _lerp([p for _, p in pairs], sources, tau)
+    return target
