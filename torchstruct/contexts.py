@@ -81,8 +81,9 @@ class _FlagContext(_Context):
         if not selectors:
             if self.needs_selector:
                 raise TypeError(f"{type(self).__name__} needs at least one selector")
-            selectors = [model]
-        select(model, *selectors, strict=self._kwargs["strict"])  # raises before any change
+            selectors = []  # the whole of ``model`` (an empty tuple means that to Entry)
+        if selectors:
+            select(model, *selectors, strict=self._kwargs["strict"])  # raises before any change
         self._entry = Entry(
             self.kind, weakref.ref(model), tuple(selectors), self._kwargs["freeze_norm_stats"]
         )

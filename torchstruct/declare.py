@@ -163,11 +163,15 @@ class Entry:
         scope = self.scope()
         if scope is None:
             return
-        chosen = {id(p) for _, p in select(scope, *self.selectors, strict=False)}
-        for p in scope.parameters():
+        inside = [p for p in scope.parameters() if id(p) in flags]
+        if not inside:  # this context reaches no parameter of the model being applied
+            return
+        if self.selectors:
+            chosen = {id(p) for _, p in select(scope, *self.selectors, strict=False)}
+        else:  # no selector: the whole scope (no strong reference to the model)
+            chosen = {id(p) for p in inside}
+        for p in inside:
             i = id(p)
-            if i not in flags:
-                continue
             if self.kind == "freeze" and i in chosen:
                 flags[i] = False
             elif self.kind == "freeze_except" and i not in chosen:
@@ -183,13 +187,14 @@ _entries: list[Entry] = []
 
 def push(entry: Entry) -> None:
     """Activate a context and apply the flags it changes at once."""
+    _entries[:] = [e for e in _entries if e.scope() is not None]  # drop dead models' contexts
     _entries.append(entry)
     _apply_around(entry.scope())
 
 
 def pop(entry: Entry) -> None:
     """Deactivate a context (wherever it is in the stack) and restore the flags."""
-    _entries[:] = [e for e in _entries if e is not entry]
+    _entries[:] = [e for e in _entries if e is not entry and e.scope() is not None]
     _apply_around(entry.scope())
 
 
@@ -265,7 +270,9 @@ class State:
         if not (isinstance(mod, _NormBase) and mod.track_running_stats):
             return False
         params = [p for p in mod._parameters.values() if p is not None]
-        enabled = self.freeze_norm_stats and all(e.freeze_norm_stats for e in _entries)
+        enabled = self.freeze_norm_stats and all(  # only contexts whose scope holds the layer
+            e.freeze_norm_stats for e in _entries if _contains(e.scope(), mod)
+        )
         return enabled and bool(params) and not any(p.requires_grad for p in params)
 
     def _sync_norm_hooks(self, root: nn.Module) -> None:
@@ -305,8 +312,8 @@ def _norm_post(module: nn.Module, _args, _out) -> None:
     module.training = module.__dict__.pop("_torchstruct_was_training", module.training)
 
 
-def _contains(root: nn.Module, module: nn.Module) -> bool:
-    return any(m is module for m in root.modules())
+def _contains(root: nn.Module | None, module: nn.Module) -> bool:
+    return root is not None and any(m is module for m in root.modules())
 
 
 def _states_containing(module: nn.Module) -> list[State]:

@@ -1,0 +1,189 @@
+"""Tests for ts.summary: per-subtree counts, tied rows, totals line, str/repr."""
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import torchstruct as ts
+
+TOTALS = re.compile(r"^trainable (\d+(?:\.\d+)?[KMB]?) of (\d+(?:\.\d+)?[KMB]?), (\d+\.\d\d)%$")
+
+
+def brute_counts(model):
+    """{module path: (trainable, total)}: each parameter object once, at its first path."""
+    first = {}
+    for path, p in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(p), (path, p))
+    out = {}
+    for mpath, _ in model.named_modules(remove_duplicate=False):
+        prefix = mpath + "." if mpath else ""
+        t = n = 0
+        for path, p in first.values():
+            if path.startswith(prefix):
+                n += p.numel()
+                t += p.numel() if p.requires_grad else 0
+        out[mpath] = (t, n)
+    return out
+
+
+def module_rows(s):
+    return {r.path: r for r in s.rows if not r.is_param}
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.shared = nn.Linear(4, 4)
+        self.again = self.shared  # a module used twice
+        self.out = nn.Linear(4, 10, bias=False)
+        self.out.weight = self.embed.weight  # a tied parameter
+
+
+def test_counts_per_subtree_match_brute_force():
+    m = Tied()
+    ts.mark_trainable(m, "block", "again", "out")
+    with ts.freeze(m, "block.1"):
+        s = ts.summary(m)
+        want = brute_counts(m)
+        trainable_now = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    rows = module_rows(s)
+    for path, row in rows.items():
+        if row.tied_to is None:
+            assert (row.trainable, row.total) == want[path], path
+    assert (s.trainable, s.total) == want[""]
+    assert s.total == sum(p.numel() for p in m.parameters())
+    assert s.trainable == trainable_now
+
+
+def test_counts_on_a_transformer_match_brute_force():
+    torch.manual_seed(0)
+    m = nn.Sequential(
+        nn.TransformerEncoderLayer(8, 2, 16, batch_first=True), nn.LSTM(8, 4), nn.BatchNorm1d(4)
+    )
+    m[0].norm1.weight.requires_grad_(False)
+    with ts.freeze_except(m, "0.self_attn", "1.weight_ih_l0", "2"):
+        s = ts.summary(m)
+        want = brute_counts(m)
+    for path, row in module_rows(s).items():
+        assert (row.trainable, row.total) == want[path], path
+    params = dict(m.named_parameters())
+    for r in s.rows:
+        if r.is_param:
+            p = params[r.path]
+            assert r.total == p.numel()
+            assert r.trainable == (p.numel() if r.mark == "trainable" else 0)
+
+
+def test_parameter_rows_and_marks():
+    m = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1))
+    with ts.freeze(m, "0.bias", "1"):
+        s = ts.summary(m)
+    by_path = {r.path: r for r in s.rows}
+    assert by_path["0.weight"].mark == "trainable" and by_path["0.weight"].is_param
+    assert by_path["0.bias"].mark == "frozen"
+    assert by_path["0"].mark == "partial"
+    assert by_path["1"].mark == "frozen"
+    assert by_path[""].mark == "partial"
+    assert [r.path for r in s.rows] == ["", "0", "0.weight", "0.bias", "1", "1.weight", "1.bias"]
+    assert [r.depth for r in s.rows] == [0, 1, 2, 2, 1, 2, 2]
+
+
+def test_tied_parameter_and_module_used_twice_shown_once_with_tied_row():
+    m = Tied()
+    s = ts.summary(m)
+    text = str(s)
+    tied = [r for r in s.rows if r.tied_to is not None]
+    assert {(r.path, r.tied_to) for r in tied} == {("again", "shared"), ("out.weight", "embed.weight")}
+    for r in tied:
+        assert (r.trainable, r.total) == (0, 0)
+    # shown once: the module used twice is not expanded a second time
+    paths = [r.path for r in s.rows]
+    assert not any(p.startswith("again.") for p in paths)
+    assert paths.count("shared.weight") == 1
+    # the tied lines say so
+    tied_lines = [line for line in text.splitlines() if "tied" in line]
+    assert len(tied_lines) == 2
+    assert any("again" in line and "shared" in line for line in tied_lines)
+    assert any("weight" in line and "embed.weight" in line for line in tied_lines)
+    # counted once
+    assert s.total == sum(p.numel() for p in m.parameters())
+
+
+def test_totals_line_format():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    with ts.freeze(m, "0"):
+        s = ts.summary(m)
+    assert (s.trainable, s.total) == (5, 25)
+    assert s.totals() == "trainable 5 of 25, 20.00%"
+    assert str(s).splitlines()[-1] == "trainable 5 of 25, 20.00%"
+    assert s.fraction == pytest.approx(0.2)
+
+
+def test_totals_line_with_large_counts():
+    # parameters on the meta device: the counts are real, no memory is used
+    m = nn.Module()
+    m.big = nn.Parameter(torch.empty(124_000_000 - 1_200_000, device="meta"), requires_grad=False)
+    m.small = nn.Parameter(torch.empty(1_200_000, device="meta"))
+    s = ts.summary(m)
+    assert s.totals() == "trainable 1.2M of 124M, 0.97%"
+
+
+@pytest.mark.parametrize("n", [1, 999, 1000, 1500, 999_499, 999_999, 1_000_000, 54_321_000, 999_999_999,
+                               3_000_000_000])
+def test_totals_numbers_are_plain_counts(n):
+    m = nn.Module()
+    m.w = nn.Parameter(torch.empty(n, device="meta"))
+    line = ts.summary(m).totals()
+    got = TOTALS.match(line)
+    assert got, line
+    unit = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9}
+    for text in got.group(1, 2):
+        value = float(text.rstrip("KMB")) * unit[text[-1] if text[-1] in "KMB" else ""]
+        assert value == pytest.approx(n, rel=0.01), (line, text)
+    assert got.group(3) == "100.00"
+
+
+def test_empty_and_all_frozen_models():
+    s = ts.summary(nn.ReLU())
+    assert (s.trainable, s.total) == (0, 0)
+    assert s.totals() == "trainable 0 of 0, 0.00%"
+    m = nn.Linear(2, 2)
+    with ts.freeze(m):
+        s = ts.summary(m)
+    assert s.totals() == "trainable 0 of 6, 0.00%"
+    assert s.rows[0].mark == "frozen"
+
+
+def test_str_and_repr():
+    m = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    ts.mark_trainable(m, "0")
+    s = ts.summary(m)
+    text = str(s)
+    assert repr(s) == text
+    lines = text.splitlines()
+    assert "trainable" in lines[0] and "total" in lines[0]
+    assert lines[1].startswith("Sequential")
+    assert any(line.startswith("  0: Linear") for line in lines)
+    assert any(line.startswith("    weight: (2, 2) float32") for line in lines)
+    assert any(line.startswith("  1: ReLU") for line in lines)
+    assert lines[-1] == "trainable 6 of 6, 100.00%"
+
+
+def test_summary_reflects_pending_changes():
+    m = nn.Sequential(nn.Linear(2, 2))
+    ts.mark_trainable(m, "0")
+    m.append(nn.Linear(2, 1))  # not declared: frozen; summary refreshes before counting
+    s = ts.summary(m)
+    assert (s.trainable, s.total) == (6, 9)
+
+
+def test_summary_of_submodule():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 3)))
+    with ts.freeze(m, "1.0.bias"):
+        s = ts.summary(m[1])
+    assert (s.trainable, s.total) == (6, 9)
+    assert [r.path for r in s.rows] == ["", "0", "0.weight", "0.bias"]
