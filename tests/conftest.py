@@ -1,0 +1,41 @@
+"""Shared pytest fixtures and markers for the torchstruct test-suite."""
+import os
+
+import pytest
+import torch
+
+from torchstruct import _ops
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped when none is available)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_cuda = pytest.mark.skip(reason="CUDA is not available")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+
+
+def _require_compiled() -> bool:
+    return os.environ.get("TORCHSTRUCT_REQUIRE_COMPILED", "0") == "1"
+
+
+@pytest.fixture(params=["compiled", "reference"])
+def backend(request):
+    """Run the test once per backend, with ``_ops.use_backend`` switched.
+
+    ``compiled`` is skipped when the extension is not built, unless
+    ``TORCHSTRUCT_REQUIRE_COMPILED=1`` (then a missing extension fails the test).
+    """
+    name = request.param
+    if name == "compiled" and not _ops.compiled_available():
+        message = f"torchstruct._C is not available ({_ops._C_IMPORT_ERROR})"
+        if _require_compiled():
+            pytest.fail(message + " and TORCHSTRUCT_REQUIRE_COMPILED=1")
+        pytest.skip(message)
+    with _ops.use_backend(name):
+        yield name
