@@ -21,7 +21,12 @@ setup() {
   fi
   # torch==2.13.0 is the CPU build on these machines; never an unpinned torch (gigabytes of CUDA)
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q torch==2.13.0
-  "$PY" -c "import setuptools, wheel" 2>/dev/null || "$PY" -m pip install -q setuptools wheel
+  # an editable build needs setuptools >= 70.1 (or an older one with wheel)
+  "$PY" - <<'PYEOF' 2>/dev/null || "$PY" -m pip install -q "setuptools>=70.1"
+import importlib.util, setuptools
+major, minor = (int(x) for x in setuptools.__version__.split(".")[:2])
+assert (major, minor) >= (70, 1) or importlib.util.find_spec("wheel")
+PYEOF
   # rebuild only when the build inputs changed
   stamp="$VENV/.torchstruct-build"
   digest=$(cat setup.py setup.cfg csrc/*.* csrc/*/*.* 2>/dev/null | cksum)
