@@ -124,7 +124,7 @@ def run(rounds: int = 30) -> str:
     ])
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> None:  # argv: None reads sys.argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true", help="write the table into RESULTS.md")
     parser.add_argument("--rounds", type=int, default=30)
