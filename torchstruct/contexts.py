@@ -18,7 +18,7 @@ from typing import Callable, ClassVar
 
 from torch import nn
 
-from .declare import Entry, pop, push
+from .declare import Entry, _drop_dead, pop, push
 from .select import select
 
 __all__ = ["freeze", "freeze_except", "unfreeze"]
@@ -85,7 +85,10 @@ class _FlagContext(_Context):
         if selectors:
             select(model, *selectors, strict=self._kwargs["strict"])  # raises before any change
         self._entry = Entry(
-            self.kind, weakref.ref(model), tuple(selectors), self._kwargs["freeze_norm_stats"]
+            self.kind,
+            weakref.ref(model, _drop_dead),  # a permanent context ends with its model
+            tuple(selectors),
+            self._kwargs["freeze_norm_stats"],
         )
         push(self._entry)
 

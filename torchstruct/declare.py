@@ -55,8 +55,14 @@ def _bump(*_args) -> None:
     _generation[0] += 1
 
 
+def _on_module_registered(module: nn.Module, name: str, _submodule) -> None:
+    _bump()
+    if name == "_orig_mod" and type(module).__name__ == "OptimizedModule":
+        module.register_forward_pre_hook(_pre_compiled_forward)
+
+
 _module_mod.register_module_parameter_registration_hook(_bump)
-_module_mod.register_module_module_registration_hook(_bump)
+_module_mod.register_module_module_registration_hook(_on_module_registered)
 
 
 # ----------------------------------------------------------------------------- declarations
@@ -157,21 +163,45 @@ class Entry:
     scope: weakref.ref
     selectors: tuple
     freeze_norm_stats: bool = True
+    _cache: list | None = field(default=None, repr=False)
+
+    def resolved(self) -> tuple[list[int], set[int]] | None:
+        """Ids of the scope's parameters and of the scope's modules, or None when it is gone.
+
+        Walked once per module-tree generation (again whenever a parameter or module is
+        registered anywhere).
+        """
+        scope = self.scope()
+        if scope is None:
+            return None
+        if self._cache is None or self._cache[0] != _generation[0]:
+            ids = [id(p) for p in scope.parameters()]
+            self._cache = [_generation[0], ids, {id(m) for m in scope.modules()}, None]
+        return self._cache[1], self._cache[2]
+
+    def chosen(self) -> set[int]:
+        """Ids of the selected parameters, resolved once per module-tree generation."""
+        got, scope = self.resolved(), self.scope()
+        if got is None or scope is None:
+            return set()
+        if self._cache[3] is None:
+            self._cache[3] = (
+                {id(p) for _, p in select(scope, *self.selectors, strict=False)}
+                if self.selectors
+                else set(got[0])  # no selector: the whole scope (no strong reference to it)
+            )
+        return self._cache[3]
 
     def apply(self, flags: dict[int, bool]) -> None:
         """Fold this context into ``flags`` (parameter id -> flag), within its scope."""
-        scope = self.scope()
-        if scope is None:
+        got = self.resolved()
+        if got is None:
             return
-        inside = [p for p in scope.parameters() if id(p) in flags]
-        if not inside:  # this context reaches no parameter of the model being applied
+        ids = [i for i in got[0] if i in flags]  # only the model being applied
+        if not ids:
             return
-        if self.selectors:
-            chosen = {id(p) for _, p in select(scope, *self.selectors, strict=False)}
-        else:  # no selector: the whole scope (no strong reference to the model)
-            chosen = {id(p) for p in inside}
-        for p in inside:
-            i = id(p)
+        chosen = self.chosen()
+        for i in ids:
             if self.kind == "freeze" and i in chosen:
                 flags[i] = False
             elif self.kind == "freeze_except" and i not in chosen:
@@ -185,27 +215,35 @@ class Entry:
 _entries: list[Entry] = []
 
 
+def _drop_dead(_ref=None, _entries: list[Entry] = _entries) -> None:
+    """Forget the contexts of models that no longer exist (also a weakref callback, which may
+    run at interpreter exit, hence the list bound as a default)."""
+    _entries[:] = [e for e in _entries if e.scope() is not None]
+
+
 def push(entry: Entry) -> None:
     """Activate a context and apply the flags it changes at once."""
-    _entries[:] = [e for e in _entries if e.scope() is not None]  # drop dead models' contexts
+    _drop_dead()
     _entries.append(entry)
-    _apply_around(entry.scope())
+    _apply_around(entry)
 
 
 def pop(entry: Entry) -> None:
     """Deactivate a context (wherever it is in the stack) and restore the flags."""
-    _entries[:] = [e for e in _entries if e is not entry and e.scope() is not None]
-    _apply_around(entry.scope())
+    _entries[:] = [e for e in _entries if e is not entry]
+    _drop_dead()
+    _apply_around(entry)
 
 
-def _apply_around(module: nn.Module | None) -> None:
-    """Apply every state whose model shares a parameter with ``module``."""
-    if module is None:
+def _apply_around(entry: Entry) -> None:
+    """Apply every state whose model shares a parameter with the entry's scope."""
+    scope, got = entry.scope(), entry.resolved()
+    if scope is None or got is None:
         return
-    own = {id(p) for p in module.parameters()}
-    governing = _state_for(module)
-    for root, st in list(_states.items()):
-        if st is governing or not own.isdisjoint(id(p) for p in root.parameters()):
+    governing = _state_for(scope)
+    ids = set(got[0])
+    for st in list(_states.values()):
+        if st is governing or not ids.isdisjoint(st.index()[1]):
             st.apply()
 
 
@@ -215,10 +253,27 @@ class State:
 
     root: weakref.ref
     freeze_norm_stats: bool = True
-    generation: int = -1
+    generation: int = -1  # the module-tree generation last applied
     idx: ParamIndex | None = None
+    _cache: tuple | None = None  # (generation, index, parameter ids, module ids)
     hook: object = None
     norm_hooks: dict[int, tuple[weakref.ref, list]] = field(default_factory=dict)
+
+    # -- the module tree, walked once per generation
+    def index(self) -> tuple[ParamIndex, frozenset[int], frozenset[int]]:
+        """The root's parameter index, parameter ids and module ids (cached per generation)."""
+        root = self.root()
+        if root is None:
+            return index(nn.Module()), frozenset(), frozenset()
+        if self._cache is None or self._cache[0] != _generation[0]:
+            idx = index(root)
+            self._cache = (
+                _generation[0],
+                idx,
+                frozenset(id(p) for p in idx.params),
+                frozenset(id(m) for m in root.modules()),
+            )
+        return self._cache[1:]
 
     # -- flags
     def apply(self) -> None:
@@ -226,7 +281,7 @@ class State:
         root = self.root()
         if root is None:
             return
-        self.idx = idx = index(root)
+        self.idx = idx = self.index()[0]
         for p in idx.params:
             if getattr(p, _WRITTEN, None) is not p.requires_grad:
                 setattr(p, _BASE, p.requires_grad)  # first sight, or changed by hand
@@ -271,7 +326,7 @@ class State:
             return False
         params = [p for p in mod._parameters.values() if p is not None]
         enabled = self.freeze_norm_stats and all(  # only contexts whose scope holds the layer
-            e.freeze_norm_stats for e in _entries if _contains(e.scope(), mod)
+            e.freeze_norm_stats for e in _entries if (r := e.resolved()) and id(mod) in r[1]
         )
         return enabled and bool(params) and not any(p.requires_grad for p in params)
 
@@ -298,9 +353,17 @@ _states: weakref.WeakKeyDictionary[nn.Module, State] = weakref.WeakKeyDictionary
 
 
 def _pre_forward(module: nn.Module, _args) -> None:
-    st = _states.get(module)
+    if torch.compiler.is_compiling():  # flags are written eagerly; compiled code guards on them
+        return
+    st = _states.get(module) if module is not None else None
     if st is not None and st.generation != _generation[0]:
         st.apply()
+
+
+def _pre_compiled_forward(wrapper: nn.Module, _args) -> None:
+    """On a ``torch.compile`` wrapper: apply before the compiled frame runs (eagerly)."""
+    _pre_forward(wrapper._modules.get("_orig_mod"), _args)
+
 
 
 def _norm_pre(module: nn.Module, _args) -> None:
@@ -317,7 +380,7 @@ def _contains(root: nn.Module | None, module: nn.Module) -> bool:
 
 
 def _states_containing(module: nn.Module) -> list[State]:
-    return [st for root, st in list(_states.items()) if _contains(root, module)]
+    return [st for st in list(_states.values()) if id(module) in st.index()[2]]
 
 
 def _state_for(module: nn.Module) -> State:
@@ -331,8 +394,8 @@ def _state_for(module: nn.Module) -> State:
     st = _states.get(module)
     if st is not None:
         return st
-    for root, other in list(_states.items()):
-        if _contains(root, module):
+    for other in list(_states.values()):
+        if id(module) in other.index()[2]:
             return other
     st = State(weakref.ref(module))
     for root, other in list(_states.items()):
@@ -361,6 +424,7 @@ def attach(model: nn.Module, *, freeze_norm_stats: bool | None = None) -> nn.Mod
     Returns:
         ``model``.
     """
+    _bump()  # re-read everything: parameters swapped without registration are seen too
     st = _state_for(model)
     if freeze_norm_stats is not None:
         st.freeze_norm_stats = bool(freeze_norm_stats)

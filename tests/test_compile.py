@@ -1,0 +1,211 @@
+"""torchstruct with ``torch.compile`` (CPU, inductor): contexts around a compiled model, the
+attached model's pre-hook under ``fullgraph=True``, ``global_norm`` and ``structural_grad``."""
+import copy
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+import torchstruct as ts
+
+
+def _compile_available() -> str | None:
+    if not hasattr(torch, "compile"):
+        return "torch.compile is not available"
+    try:
+        importlib.import_module("torch._dynamo")
+        importlib.import_module("torch._inductor")
+    except Exception as e:  # pragma: no cover - depends on the platform
+        return f"inductor is not available: {e}"
+    try:  # a C++ compiler is needed for the CPU backend
+        torch.compile(lambda t: t * 2 + 1, backend="inductor")(torch.ones(2))
+    except Exception as e:  # pragma: no cover - depends on the platform
+        return f"torch.compile (inductor, CPU) does not work here: {type(e).__name__}: {e}"
+    return None
+
+
+_REASON = _compile_available()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def _pair():
+    torch.manual_seed(0)
+    eager = MLP()
+    return eager, copy.deepcopy(eager)
+
+
+def _data():
+    torch.manual_seed(1)
+    return torch.randn(5, 4), torch.randn(5, 2)
+
+
+def _step(model, call, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = nn.functional.mse_loss(call(x), y)
+    loss.backward()
+    grads = {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+    opt.step()
+    return loss.detach(), grads
+
+
+def test_freeze_except_around_a_compiled_model_changes_between_steps():
+    eager, twin = _pair()
+    compiled = torch.compile(twin, backend="inductor")
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(twin.parameters(), lr=0.1)
+    x, y = _data()
+    for keep in ("a", "c", "b", "a"):  # the trainable set changes every step
+        with ts.freeze_except(eager, keep), ts.freeze_except(twin, keep):
+            le, ge = _step(eager, eager, opt_e, x, y)
+            lc, gc_ = _step(twin, compiled, opt_c, x, y)
+        torch.testing.assert_close(lc, le)
+        for name in ge:
+            if name.startswith(keep + "."):
+                assert gc_[name] is not None, (keep, name)
+                torch.testing.assert_close(gc_[name], ge[name])
+            else:
+                assert ge[name] is None and gc_[name] is None, (keep, name)
+        for (n, pe), (_, pc) in zip(eager.named_parameters(), twin.named_parameters()):
+            torch.testing.assert_close(pc, pe, msg=n)
+    assert all(p.requires_grad for p in twin.parameters())
+
+
+def _graph_breaks(call, *args):
+    """Run ``call`` and return dynamo's graph-break reasons (counted by dynamo itself)."""
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    call(*args)
+    return dict(counters["graph_break"])
+
+
+def test_attached_model_compiles_with_fullgraph():
+    """The forward pre-hook of an attached model must not break the graph.
+
+    ``torch.compile(model)`` builds an ``OptimizedModule``, which registers ``model`` as its
+    submodule: the module tree changed, so the hook's next run re-applies the flags.
+    """
+    eager, twin = _pair()
+    ts.attach(twin)
+    ts.mark_trainable(twin, "c")
+    x, _ = _data()
+    breaks = _graph_breaks(torch.compile(twin, backend="eager"), x)
+    assert not breaks, "graph breaks in an attached model's forward:\n" + "\n".join(breaks)
+    nn.Linear(1, 1)  # a module built anywhere else changes the generation too
+    breaks = _graph_breaks(torch.compile(twin, backend="eager"), x)
+    assert not breaks, "graph breaks in an attached model's forward:\n" + "\n".join(breaks)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend="inductor", fullgraph=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, eager(x))
+    out.sum().backward()
+    assert twin.c.weight.grad is not None and twin.a.weight.grad is None
+    # A declaration changed after compiling is applied at once; the graph follows it.
+    ts.mark_trainable(twin, "a")
+    twin.zero_grad(set_to_none=True)
+    out = compiled(x)
+    torch.testing.assert_close(out, eager(x))
+    out.sum().backward()
+    assert twin.a.weight.grad is not None and twin.c.weight.grad is None
+
+
+class WithAdapters(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = MLP()
+        self.adapters = nn.ModuleDict()
+
+    def forward(self, x):
+        h = self.body(x)
+        for a in self.adapters.values():
+            h = h + a(h)
+        return h
+
+
+def test_adapter_added_after_compiling_follows_declarations():
+    torch.manual_seed(0)
+    model = WithAdapters()
+    ts.mark_trainable(model, "adapters")
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    x, _ = _data()
+    compiled(x)
+    assert not any(p.requires_grad for p in model.parameters())
+    model.adapters["new"] = nn.Linear(2, 2)  # admitted by the declaration
+    model.body.extra = nn.Linear(2, 2)  # under "body", which the declaration freezes
+    model.body.extra.weight.requires_grad_(True)
+    out = compiled(x)
+    out.sum().backward()
+    assert model.adapters["new"].weight.grad is not None
+    assert all(p.grad is None for p in model.body.parameters())
+    assert not model.body.extra.weight.requires_grad
+
+
+def test_global_norm_inside_fullgraph_compile_equals_eager():
+    eager, _ = _pair()
+    x, y = _data()
+    nn.functional.mse_loss(eager(x), y).backward()
+    grads = [p.grad for p in eager.parameters()]
+
+    @torch.compile(backend="inductor", fullgraph=True)
+    def norms(gs):
+        return ts.global_norm(gs), ts.global_norm(gs, norm_type=1.0), ts.global_norm(
+            gs, norm_type=float("inf"))
+
+    got = norms(grads)
+    want = (ts.global_norm(grads), ts.global_norm(grads, 1.0), ts.global_norm(grads, float("inf")))
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    for g, w, p in zip(got, want, (2.0, 1.0, float("inf"))):
+        torch.testing.assert_close(g, w)
+        torch.testing.assert_close(g, torch.linalg.vector_norm(flat, p))
+    torch.testing.assert_close(ts.global_norm(eager), want[0])
+
+
+def test_global_norm_op_traces_with_its_fake_kernel():
+    if not hasattr(torch.ops, "torchstruct") or not hasattr(torch.ops.torchstruct, "global_norm"):
+        pytest.skip("the compiled extension (torch.ops.torchstruct) is not built")
+    xs = [torch.randn(3, 4), torch.randn(7)]
+
+    @torch.compile(backend="inductor", fullgraph=True)
+    def f(xs):
+        return torch.ops.torchstruct.global_norm(xs, 2.0) * 2
+
+    want = 2 * torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in xs]))
+    torch.testing.assert_close(f(xs), want)
+
+
+def test_structural_grad_of_a_compiled_models_loss_equals_eager():
+    eager, twin = _pair()
+    compiled = torch.compile(twin, backend="inductor")
+    x, y = _data()
+    with ts.freeze(eager, "b"), ts.freeze(twin, "b"):
+        ge = ts.structural_grad(eager, nn.functional.mse_loss(eager(x), y))
+        gc_ = ts.structural_grad(twin, nn.functional.mse_loss(compiled(x), y))
+    assert ts.tree.paths(gc_) == ts.tree.paths(ge) == ["a.weight", "a.bias", "c.weight", "c.bias"]
+    for path, a, b in zip(ts.tree.paths(ge), ts.tree.leaves(ge), ts.tree.leaves(gc_)):
+        torch.testing.assert_close(b, a, msg=path)
+    # With wrt and a callable loss that calls the compiled module.
+    ge = ts.structural_grad(eager, lambda m: nn.functional.mse_loss(m(x), y), wrt="c")
+    gc_ = ts.structural_grad(twin, lambda m: nn.functional.mse_loss(compiled(x), y), wrt="c")
+    assert ts.tree.paths(gc_) == ["c.weight", "c.bias"]
+    for a, b in zip(ts.tree.leaves(ge), ts.tree.leaves(gc_)):
+        torch.testing.assert_close(b, a)
+    assert all(p.grad is None for p in twin.parameters())
