@@ -11,9 +11,10 @@ Every public name is re-exported here from the one module that defines it:
 - :mod:`.walk`: ``map_trainable``, ``polyak_update``;
 - :mod:`.clip`: ``global_norm``, ``clip_by_global_norm``;
 - :mod:`.summary`: ``summary``; :mod:`.optim`: fused masked optimizers;
+- :mod:`.distributed`: guards for DistributedDataParallel;
 - :mod:`._ops`: the seam between the compiled extension and ``_reference.py``.
 """
-from . import tree
+from . import distributed, tree
 from ._ops import backend
 from .blocks import *  # noqa: F401,F403
 from .clip import *  # noqa: F401,F403

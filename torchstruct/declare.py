@@ -50,6 +50,12 @@ _MARK = "_torchstruct_trainable"  # attribute on a module: names from mark_train
 # Bumped whenever any module or parameter is registered anywhere, or a declaration changes.
 _generation = [0]
 
+# Called as guard(changes, refuse) before any flag is written, with the (path, parameter,
+# new flag) of every parameter whose flag would change. With refuse=True a guard raises to
+# refuse the change (nothing is written); with refuse=False (leaving a context, which must
+# always restore) it may only warn. torchstruct.distributed registers the one for DDP.
+flag_guards: list = []
+
 
 def _bump(*_args) -> None:
     _generation[0] += 1
@@ -126,15 +132,26 @@ def mark_trainable(module: nn.Module, *names: str | None) -> nn.Module:
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"mark_trainable: expected an nn.Module, got {type(module).__name__}")
-    if names == (None,):
+    before = module.__dict__.get(_MARK)
+    mark = None if names == (None,) else _check_names(module, names, "mark_trainable")
+    _set_mark(module, mark)
+    try:
+        for st in _states_containing(module) or [_state_for(module)]:
+            st.apply()
+    except BaseException:  # refused (a flag guard): the previous declaration stands
+        _set_mark(module, before)
+        for st in _states_containing(module):
+            st.apply(refuse=False)
+        raise
+    return module
+
+
+def _set_mark(module: nn.Module, mark: frozenset[str] | None) -> None:
+    if mark is None:
         module.__dict__.pop(_MARK, None)
     else:
-        module.__dict__[_MARK] = _check_names(module, names, "mark_trainable")
+        module.__dict__[_MARK] = mark
     _bump()
-    states = _states_containing(module) or [_state_for(module)]
-    for st in states:
-        st.apply()
-    return module
 
 
 def _admitted(root: nn.Module) -> set[int]:
@@ -222,20 +239,25 @@ def _drop_dead(_ref=None, _entries: list[Entry] = _entries) -> None:
 
 
 def push(entry: Entry) -> None:
-    """Activate a context and apply the flags it changes at once."""
+    """Activate a context and apply the flags it changes at once (or refuse: nothing changes)."""
     _drop_dead()
     _entries.append(entry)
-    _apply_around(entry)
+    try:
+        _apply_around(entry)
+    except BaseException:
+        _entries.remove(entry)
+        _apply_around(entry, refuse=False)
+        raise
 
 
 def pop(entry: Entry) -> None:
     """Deactivate a context (wherever it is in the stack) and restore the flags."""
     _entries[:] = [e for e in _entries if e is not entry]
     _drop_dead()
-    _apply_around(entry)
+    _apply_around(entry, refuse=False)
 
 
-def _apply_around(entry: Entry) -> None:
+def _apply_around(entry: Entry, refuse: bool = True) -> None:
     """Apply every state whose model shares a parameter with the entry's scope."""
     scope, got = entry.scope(), entry.resolved()
     if scope is None or got is None:
@@ -244,7 +266,7 @@ def _apply_around(entry: Entry) -> None:
     ids = set(got[0])
     for st in list(_states.values()):
         if st is governing or not ids.isdisjoint(st.index()[1]):
-            st.apply()
+            st.apply(refuse)
 
 
 @dataclass(eq=False)
@@ -276,8 +298,8 @@ class State:
         return self._cache[1:]
 
     # -- flags
-    def apply(self) -> None:
-        """Recompute every flag of the root's parameters and write it."""
+    def apply(self, refuse: bool = True) -> None:
+        """Recompute every flag of the root's parameters and write it (see ``flag_guards``)."""
         root = self.root()
         if root is None:
             return
@@ -289,8 +311,11 @@ class State:
         for entry in _entries:
             entry.apply(flags)
         admitted = _admitted(root)
-        for p in idx.params:
-            flag = flags[id(p)] and id(p) in admitted
+        new = [(path, p, flags[id(p)] and id(p) in admitted) for path, p in idx]
+        changes = [c for c in new if c[1].requires_grad is not c[2]]
+        for guard in flag_guards if changes else ():
+            guard(changes, refuse)
+        for _, p, flag in new:
             if p.requires_grad is not flag:
                 p.requires_grad_(flag)
             setattr(p, _WRITTEN, flag)

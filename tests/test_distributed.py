@@ -1,0 +1,332 @@
+"""DistributedDataParallel (gloo, 2 processes on 127.0.0.1) with torchstruct.
+
+Each scenario spawns two fresh processes (``multiprocessing`` "spawn" context), waits for their
+results with a deadline and terminates them when it passes: a hang fails the test, it never
+hangs the suite. The workers compare against a single-process model computed in the worker
+itself (same seeds), so the parent only collects verdicts.
+"""
+import datetime
+import queue
+import socket
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+    pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
+
+WORLD = 2
+DEADLINE = 55.0  # seconds for a whole test (start-up of two interpreters included)
+BATCH = 8
+
+
+# ----------------------------------------------------------------------------- harness
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, port, scenario, results):
+    """Child process: run ``scenario(rank)`` in a gloo group; put ``(rank, error, checks)``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    checks, error = [], None
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+            timeout=datetime.timedelta(seconds=30),
+        )
+        SCENARIOS[scenario](rank, checks)
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        error = traceback.format_exc()
+    results.put((rank, error, checks))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        pass
+
+
+def _run(scenario: str) -> dict:
+    """Run ``scenario`` on two ranks; return ``{rank: checks}`` or fail with the reasons."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, port, scenario, results), daemon=True)
+             for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    start, got = time.monotonic(), {}
+    try:
+        while len(got) < WORLD:
+            left = DEADLINE - (time.monotonic() - start)
+            if left <= 0:
+                break
+            try:
+                rank, error, checks = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            got[rank] = (error, checks)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.5, min(5.0, DEADLINE - (time.monotonic() - start))))
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    missing = [r for r in range(WORLD) if r not in got]
+    if missing:
+        pytest.fail(f"{scenario}: rank(s) {missing} gave no result within {DEADLINE:.0f} s "
+                    f"(hang or crash; exit codes {[p.exitcode for p in procs]})")
+    errors = {r: e for r, (e, _) in got.items() if e}
+    if errors:
+        pytest.fail(f"{scenario}: " + "\n".join(f"rank {r}:\n{e}" for r, e in errors.items()))
+    return {r: checks for r, (_, checks) in got.items()}
+
+
+def _failed(per_rank: dict) -> list:
+    return [f"rank {r}: {name}: {msg}" for r, checks in per_rank.items()
+            for name, ok, msg in checks if not ok]
+
+
+# ----------------------------------------------------------------------------- scenarios
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, 4, generator=g), torch.randn(BATCH, 2, generator=g)
+
+
+def _half(t, rank):
+    n = BATCH // WORLD
+    return t[rank * n:(rank + 1) * n]
+
+
+def _loss(out, y):
+    # The mean over each rank's half; DDP averages the ranks' gradients, so the result is the
+    # gradient of the mean over the full batch.
+    return nn.functional.mse_loss(out, y)
+
+
+def _check(checks, name, ok, msg=""):
+    checks.append((name, bool(ok), msg))
+
+
+def _close(a, b) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _train(call, model, x, y, steps=2):
+    """Two SGD steps; returns the per-step ``{path: grad or None}`` and the final parameters."""
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    grads = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        _loss(call(x), y).backward()
+        grads.append({n: None if p.grad is None else p.grad.clone()
+                      for n, p in model.named_parameters()})
+        opt.step()
+    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _same_training(checks, label, got, want):
+    (g_got, p_got), (g_want, p_want) = got, want
+    for step, (a, b) in enumerate(zip(g_got, g_want)):
+        for name in b:
+            if b[name] is None:
+                _check(checks, f"{label} step {step} {name} no grad", a[name] is None,
+                       "a frozen parameter got a gradient")
+            else:
+                _check(checks, f"{label} step {step} {name} grad",
+                       a[name] is not None and _close(a[name], b[name]), "gradient differs")
+    for name in p_want:
+        _check(checks, f"{label} {name} after steps", _close(p_got[name], p_want[name]))
+
+
+def scenario_global_norm(rank, checks):
+    import torchstruct as ts
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x, y = _batch()
+    ref = _model()
+    _loss(ref(x), y).backward()
+    want = ts.global_norm(ref)
+
+    model = _model()
+    ddp = DDP(model)
+    _loss(ddp(_half(x, rank)), _half(y, rank)).backward()
+    got_wrapper = ts.global_norm(ddp)
+    got_inner = ts.global_norm(model)
+    _check(checks, "global_norm(ddp) == single-process", _close(got_wrapper, want),
+           f"{float(got_wrapper)} vs {float(want)}")
+    _check(checks, "global_norm(ddp.module) == single-process", _close(got_inner, want),
+           f"{float(got_inner)} vs {float(want)}")
+    for p_norm in (1.0, float("inf")):
+        _check(checks, f"global_norm(ddp, {p_norm})",
+               _close(ts.global_norm(ddp, p_norm), ts.global_norm(ref, p_norm)))
+    # Frozen before wrapping: the norm is over the trainable gradients only, on every rank.
+    ref2 = _model()
+    ts.freeze(ref2, "0")
+    _loss(ref2(x), y).backward()
+    model2 = _model()
+    ts.freeze(model2, "0")
+    ddp2 = DDP(model2)
+    _loss(ddp2(_half(x, rank)), _half(y, rank)).backward()
+    _check(checks, "global_norm with a frozen layer", _close(ts.global_norm(ddp2),
+                                                             ts.global_norm(ref2)))
+
+
+def scenario_before_wrapping(rank, checks):
+    import torchstruct as ts
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x, y = _batch()
+    xs, ys = _half(x, rank), _half(y, rank)
+
+    # A permanent freeze_except, then wrapping.
+    ref = _model()
+    ts.freeze_except(ref, "4")
+    want = _train(ref, ref, x, y)
+    model = _model()
+    ts.freeze_except(model, "4")
+    ddp = DDP(model)
+    _same_training(checks, "freeze_except", _train(ddp, model, xs, ys), want)
+
+    # A declaration (mark_trainable), then wrapping.
+    ref = _model()
+    ts.mark_trainable(ref, "2", "4")
+    want = _train(ref, ref, x, y)
+    model = _model()
+    ts.mark_trainable(model, "2", "4")
+    ddp = DDP(model)
+    _same_training(checks, "mark_trainable", _train(ddp, model, xs, ys), want)
+
+    # A temporary context around wrapping and training.
+    ref = _model()
+    with ts.freeze(ref, "0", "2"):
+        want = _train(ref, ref, x, y)
+    model = _model()
+    with ts.freeze(model, "0", "2"):
+        ddp = DDP(model)
+        got = _train(ddp, model, xs, ys)
+    _same_training(checks, "with freeze", got, want)
+    _check(checks, "flags restored", all(p.requires_grad for p in model.parameters()))
+
+
+def _raises_clearly(checks, label, fn, model, words):
+    """``fn()`` must raise RuntimeError naming DDP and ``words``, changing no flag."""
+    before = [p.requires_grad for p in model.parameters()]
+    try:
+        fn()
+    except RuntimeError as e:
+        msg = str(e)
+        ok = "DistributedDataParallel" in msg and all(w in msg for w in words)
+        _check(checks, f"{label}: message", ok, msg)
+    else:
+        _check(checks, f"{label}: raises", False,
+               "no error; flags are now " + str([p.requires_grad for p in model.parameters()]))
+    _check(checks, f"{label}: flags unchanged",
+           [p.requires_grad for p in model.parameters()] == before)
+
+
+def scenario_after_wrapping(rank, checks):
+    """The proposed behaviour: changing the trained set of a wrapped model is refused with a
+    clear error unless DDP can cope (``find_unused_parameters=True`` and only freezing)."""
+    import torchstruct as ts
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    x, y = _batch()
+    xs, ys = _half(x, rank), _half(y, rank)
+
+    # 1. Freezing after wrapping, find_unused_parameters=False: DDP's reducer would wait for
+    #    gradients that never come ("Expected to have finished reduction ...").
+    model = _model()
+    ddp = DDP(model)
+    hint = ["find_unused_parameters"]
+    _raises_clearly(checks, "freeze(inner)", lambda: ts.freeze(model, "0"), model, hint)
+    _raises_clearly(checks, "freeze(wrapper)", lambda: ts.freeze(ddp, "module.0"), model, hint)
+    _raises_clearly(checks, "freeze_except(inner)", lambda: ts.freeze_except(model, "4"),
+                    model, hint)
+    _raises_clearly(checks, "mark_trainable(inner)", lambda: ts.mark_trainable(model, "4"),
+                    model, hint)
+    # Block-local tools change no flag: allowed.
+    with ts.stop_gradient(model, "0"):
+        _loss(ddp(xs), ys).backward()
+    _check(checks, "stop_gradient allowed", model[2].weight.grad is not None)
+
+    # 2. Unfreezing a parameter DDP does not synchronise: its gradient would silently differ
+    #    between ranks. Refused whatever find_unused_parameters is; the fix is to re-wrap.
+    for fup in (False, True):
+        model = _model()
+        ts.freeze(model, "0")
+        ddp = DDP(model, find_unused_parameters=fup)
+        _raises_clearly(checks, f"unfreeze(fup={fup})", lambda: ts.unfreeze(model, "0"),
+                        model, ["wrap"])
+        # A context that leaves the synchronised set as it is stays allowed.
+        with ts.freeze(model, "0"):
+            pass
+        _check(checks, f"no-op freeze allowed (fup={fup})", not model[0].weight.requires_grad
+               and model[2].weight.requires_grad)
+
+    # 3. find_unused_parameters=True: freezing after wrapping is handled, and trains exactly
+    #    like a single process with the same layer frozen.
+    ref = _model()
+    with ts.freeze(ref, "0"):
+        want = _train(ref, ref, x, y)
+    model = _model()
+    ddp = DDP(model, find_unused_parameters=True)
+    with ts.freeze(model, "0"):
+        got = _train(ddp, model, xs, ys)
+    _same_training(checks, "freeze with find_unused_parameters", got, want)
+
+
+def scenario_norm_and_before_wrapping(rank, checks):
+    norm, before = [], []
+    scenario_global_norm(rank, norm)
+    scenario_before_wrapping(rank, before)
+    checks.extend(("norm: " + n, ok, m) for n, ok, m in norm)
+    checks.extend(("before: " + n, ok, m) for n, ok, m in before)
+
+
+SCENARIOS = {
+    "norm_and_before_wrapping": scenario_norm_and_before_wrapping,
+    "after_wrapping": scenario_after_wrapping,
+}
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def norm_and_before_wrapping():
+    """One pair of processes for (a) and (b): starting interpreters dominates the cost."""
+    return _run("norm_and_before_wrapping")
+
+
+def _part(per_rank, prefix):
+    return {r: [c for c in checks if c[0].startswith(prefix)] for r, checks in per_rank.items()}
+
+
+def test_global_norm_of_ddp_model_equals_single_process(norm_and_before_wrapping):
+    per_rank = _part(norm_and_before_wrapping, "norm: ")
+    assert all(len(c) == 5 for c in per_rank.values()), per_rank
+    assert not _failed(per_rank), "\n".join(_failed(per_rank))
+
+
+def test_declarations_and_contexts_before_wrapping(norm_and_before_wrapping):
+    per_rank = _part(norm_and_before_wrapping, "before: ")
+    assert all(len(c) > 30 for c in per_rank.values()), {r: len(c) for r, c in per_rank.items()}
+    assert not _failed(per_rank), "\n".join(_failed(per_rank))
+
+
+def test_changing_the_trained_set_after_wrapping_is_refused_or_handled():
+    per_rank = _run("after_wrapping")
+    assert not _failed(per_rank), "\n".join(_failed(per_rank))
