@@ -6,10 +6,46 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(torchstruct, m) {
+  // Fused optimizer steps (torchstruct.optim), in place, over lists that
+  // match `params` one to one (same shape, dtype, device, layout). The
+  // arithmetic follows torch.optim.SGD / AdamW (foreach=False) operation by
+  // operation; float16/bfloat16 compute in float32. masks: empty, or one
+  // optional bool tensor per param: where it is False, param and state keep
+  // their bits. clip_coef multiplies the gradient inside the update (grads are
+  // only read). grad_scale / found_inf as torch's fused optimizers take them
+  // (grad * float32(1/grad_scale); found_inf != 0: nothing is written, step
+  // counts included; read on the device, no host sync). All input is checked
+  // before anything is written.
+  // SGD: momentum_buffers empty iff momentum == 0; first_step: the buffers
+  // are new and take the (decayed) gradient, as torch's first step does.
+  m.def(
+      "sgd_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+      "Tensor?[] masks, float lr, float momentum, float dampening, float weight_decay, "
+      "bool nesterov, bool maximize, bool first_step, Tensor? clip_coef=None, "
+      "Tensor? grad_scale=None, Tensor? found_inf=None) -> ()");
+  // AdamW: steps are one-element float32 tensors on the params' device
+  // (incremented by the op; bias corrections from the incremented count);
+  // max_exp_avg_sqs empty iff not amsgrad.
+  m.def(
+      "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] steps, "
+      "Tensor?[] masks, float lr, float beta1, float beta2, float weight_decay, float eps, "
+      "bool amsgrad, bool maximize, Tensor? clip_coef=None, Tensor? grad_scale=None, "
+      "Tensor? found_inf=None) -> ()");
   // p-norm of the concatenation of all elements of `tensors` (all on one
   // device). Returns a 0-dim tensor: float64 if any input is float64, else
   // float32. norm_type: any p > 0, or inf.
   m.def("global_norm(Tensor[] tensors, float norm_type) -> Tensor");
+  // In place: every tensor *= scale (a 0-dim floating tensor; on CUDA it may
+  // live on the device, read there without a host sync). Same arithmetic as
+  // Tensor.mul_(scale).
+  m.def("scale_(Tensor(a!)[] tensors, Tensor scale) -> ()");
+  // torch.nn.utils.clip_grad_norm_ on the gradients themselves, in one call:
+  // the global p-norm of `grads` (fp16/bf16 accumulate in fp32), then every
+  // grad *= min(max_norm / (norm + 1e-6), 1) in place (coefficient computed on
+  // the device). Returns the norm as a 0-dim tensor in the promoted dtype of
+  // the grads (what clip_grad_norm_ returns). max_norm >= 0.
+  m.def("clip_by_global_norm_(Tensor(a!)[] grads, float max_norm, float norm_type) -> Tensor");
 }
 
 namespace {

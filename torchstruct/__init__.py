@@ -14,7 +14,7 @@ Every public name is re-exported here from the one module that defines it:
 - :mod:`.distributed`: guards for DistributedDataParallel;
 - :mod:`._ops`: the seam between the compiled extension and ``_reference.py``.
 """
-from . import distributed, tree
+from . import distributed, optim, tree
 from ._ops import backend
 from .blocks import *  # noqa: F401,F403
 from .clip import *  # noqa: F401,F403

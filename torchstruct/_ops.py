@@ -20,6 +20,13 @@ Inputs that need autograd (grad mode on and a tensor that requires grad) go to
 the reference implementation, which is differentiable; the compiled kernels are
 not.
 
+A tensor on a device type the compiled op has no kernel for (e.g. CUDA tensors
+with a CPU-only build) raises ``RuntimeError`` while the compiled backend is
+active, naming the device and the ways out (rebuild the extension with CUDA, or
+``TORCHSTRUCT_BACKEND=reference``); nothing silently runs on the slow path.
+Exempt: ``meta`` tensors (shapes only, no kernel needed) and inputs that need
+autograd (reference, as above).
+
 Adding an op: a kernel in ``csrc/`` registered under the same name (it must
 check all its input before writing anything), a function of that name in
 ``_reference.py``, its fake kernel below, its name in ``_OPS``, and a wrapper
@@ -47,14 +54,16 @@ __all__ = [
     "backend",
     "compiled_available",
     "compiled_device_types",
+    "clip_by_global_norm_",
     "global_norm",
+    "scale_",
     "use_backend",
 ]
 
 BACKENDS = ("compiled", "reference")
 
 #: names of the ops registered as torch.ops.torchstruct.<name>
-_OPS = ("global_norm",)
+_OPS = ("global_norm", "scale_", "clip_by_global_norm_", "sgd_step_", "adamw_step_")
 
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
@@ -157,13 +166,23 @@ def _impl(name: str, device: torch.device, tensors: Sequence[torch.Tensor]):
     """The implementation of op ``name`` for ``tensors`` (all on ``device``):
     the compiled op when it is active, has a kernel for the device type and no
     autograd graph is needed, else the reference function."""
-    if (
-        _backend == "compiled"
-        and device.type in _KERNELS[name]
-        and not _needs_autograd(tensors)
-    ):
-        return getattr(torch.ops.torchstruct, name)
+    if _backend == "compiled" and not _needs_autograd(tensors):
+        if device.type in _KERNELS[name]:
+            return getattr(torch.ops.torchstruct, name)
+        if device.type != "meta":
+            raise RuntimeError(_no_kernel_message(name, device))
     return getattr(_reference, name)
+
+
+def _no_kernel_message(name: str, device: torch.device) -> str:
+    built = ", ".join(compiled_device_types()) or "none"
+    return (
+        f"torchstruct::{name}: the compiled extension has no kernel for {device.type} tensors "
+        f"(got a tensor on {device}; kernels built for: {built}). Rebuild the extension where "
+        f"that device's toolkit is installed (for CUDA: a CUDA build of torch and nvcc, then "
+        f"`pip install --no-build-isolation -e .`), or run on the pure-PyTorch implementation "
+        f"with TORCHSTRUCT_BACKEND=reference (or torchstruct._ops.use_backend('reference'))."
+    )
 
 
 def _group_by_device(tensors: Sequence[torch.Tensor]) -> Dict[torch.device, List[torch.Tensor]]:
@@ -223,6 +242,25 @@ if _C is not None and hasattr(torch.library, "register_fake"):
             )
         return tensors[0].new_empty((), dtype=_reference.result_dtype(tensors))
 
+    def _check_one_device_fake(op, tensors):
+        torch._check(len(tensors) > 0, lambda: f"{op}: expected at least one tensor")
+        device = tensors[0].device
+        for t in tensors:
+            torch._check(
+                t.device == device,
+                lambda: f"{op}: all tensors must be on one device, got {device} and {t.device}",
+            )
+
+    @torch.library.register_fake("torchstruct::scale_")
+    def _scale_fake(tensors, scale):
+        _check_one_device_fake("scale_", tensors)
+        torch._check(scale.dim() == 0, lambda: "scale_: scale must be a 0-dim tensor")
+
+    @torch.library.register_fake("torchstruct::clip_by_global_norm_")
+    def _clip_by_global_norm_fake(grads, max_norm, norm_type):
+        _check_one_device_fake("clip_by_global_norm_", grads)
+        return grads[0].new_empty((), dtype=_reference.clip_result_dtype(grads))
+
 
 # ---------------------------------------------------------------------------
 # ops
@@ -252,3 +290,206 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
 
 def _validate_float_tensors(op: str) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
     return lambda tensors: _reference.validate_tensors(tensors, op)
+
+
+def _validate_writable_tensors(op: str) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
+    def validate(tensors):
+        tensors = _reference.validate_tensors(tensors, op)
+        _reference.validate_writable(tensors, op)
+        return tensors
+
+    return validate
+
+
+def _try_compiled(name: str, tensors: List[torch.Tensor], args: tuple):
+    """The compiled op on the whole list (eager fast path), or ``_REFUSED`` when it
+    does not apply or refuses the input (the checked path then explains)."""
+    first = tensors[0]
+    if (
+        _backend == "compiled"
+        and isinstance(first, torch.Tensor)
+        and first.device.type in _KERNELS[name]
+        and not _is_compiling()
+    ):
+        try:
+            if not _needs_autograd(tensors):
+                # the OpOverload itself: no overload resolution per call
+                return getattr(torch.ops.torchstruct, name).default(tensors, *args)
+        except (AttributeError, RuntimeError, TypeError, ValueError, NotImplementedError):
+            pass  # explained or handled by the checked path; kernels write nothing when refusing
+    return _REFUSED
+
+
+_REFUSED = object()
+
+
+def _scale_on(scale: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # A CPU scalar is read on the host by every kernel; otherwise the device's own copy.
+    if scale.device == device or scale.device.type == "cpu":
+        return scale
+    return scale.to(device, non_blocking=True)
+
+
+def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every tensor in place by the 0-dim tensor ``scale`` (as
+    ``t.mul_(scale)``; a tensor listed twice is multiplied twice). Tensors may be on
+    several devices; ``scale`` is moved to each (a CPU scalar is used as is).
+    Everything is checked before anything is written."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not isinstance(scale, torch.Tensor) or scale.dim() != 0:
+        raise ValueError(f"scale_: scale must be a 0-dim tensor, got {scale!r}")
+    if not tensors:
+        return
+    if _try_compiled("scale_", tensors, (scale,)) is not _REFUSED:
+        return
+    tensors = _validate_writable_tensors("scale_")(tensors)
+    groups = _group_by_device(tensors)
+    impls = [(_impl("scale_", device, part), device, part) for device, part in groups.items()]
+    for impl, device, part in impls:
+        impl(part, _scale_on(scale, device))
+
+
+def clip_by_global_norm_(
+    grads: Sequence[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Scale ``grads`` in place by ``min(max_norm / (norm + 1e-6), 1)``, ``norm``
+    their global ``norm_type``-norm; returns ``norm`` (0-dim, on the first grad's
+    device, in the promoted dtype of the grads as ``clip_grad_norm_`` returns it;
+    ``torch.tensor(0.0)`` for no grads).
+
+    One device: one call of the fused op (norm, coefficient on the device, scale).
+    Several devices, or ``error_if_nonfinite``: the norm of each device's part,
+    combined on the first device, checked (``RuntimeError`` if non-finite, which
+    reads the norm on the host; nothing is written then), then each part scaled
+    by the coefficient. Every input is checked before anything is written.
+    """
+    p = _reference.validate_norm_type(norm_type)
+    max_norm = _reference.validate_max_norm(max_norm)
+    grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
+    if not grads:
+        return torch.tensor(0.0)
+    if not error_if_nonfinite:
+        out = _try_compiled("clip_by_global_norm_", grads, (max_norm, p))
+        if out is not _REFUSED:
+            return out
+    grads = _validate_writable_tensors("clip_by_global_norm_")(grads)
+    groups = _group_by_device(grads)
+    if len(groups) == 1 and not error_if_nonfinite:
+        device = grads[0].device
+        return _impl("clip_by_global_norm_", device, grads)(grads, max_norm, p)
+    # Resolve every kernel first: an unsupported device raises before any write.
+    plans = [
+        (_impl("global_norm", device, part), _impl("scale_", device, part), device, part)
+        for device, part in groups.items()
+    ]
+    norms = [norm_fn(part, p) for norm_fn, _, _, part in plans]
+    total = norms[0] if len(norms) == 1 else _reference.combine_norms(norms, p, grads[0].device)
+    result = total.to(_reference.clip_result_dtype(grads))
+    # Checked as returned: an fp16 norm above 65504 is inf there, as torch reports it.
+    if error_if_nonfinite and not bool(torch.isfinite(result)):
+        raise RuntimeError(
+            f"clip_by_global_norm: the total norm of order {p} of the gradients is non-finite "
+            f"({result.item()}), so it cannot be clipped; the gradients were left unchanged. "
+            f"Pass error_if_nonfinite=False to scale them by the non-finite norm anyway."
+        )
+    coef = _reference.clip_coefficient(total, max_norm)
+    for _, scale_fn, device, part in plans:
+        scale_fn(part, _scale_on(coef, device))
+    return result
+
+
+# ---------------------------------------------------------------------------
+# fused optimizer steps (torchstruct.optim)
+# ---------------------------------------------------------------------------
+
+if _C is not None and hasattr(torch.library, "register_fake"):
+
+    @torch.library.register_fake("torchstruct::sgd_step_")
+    def _sgd_step_fake(params, grads, momentum_buffers, masks, lr, momentum, dampening,
+                       weight_decay, nesterov, maximize, first_step, clip_coef=None,
+                       grad_scale=None, found_inf=None):
+        torch._check(len(grads) == len(params), lambda: "sgd_step_: one gradient per parameter")
+        torch._check(len(masks) in (0, len(params)), lambda: "sgd_step_: no masks or one per parameter")
+
+    @torch.library.register_fake("torchstruct::adamw_step_")
+    def _adamw_step_fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks, lr,
+                         beta1, beta2, weight_decay, eps, amsgrad, maximize, clip_coef=None,
+                         grad_scale=None, found_inf=None):
+        for what, tensors in (("gradient", grads), ("exp_avg", exp_avgs),
+                              ("exp_avg_sq", exp_avg_sqs), ("step", steps)):
+            torch._check(len(tensors) == len(params),
+                         lambda: f"adamw_step_: one {what} per parameter")
+        torch._check(len(masks) in (0, len(params)), lambda: "adamw_step_: no masks or one per parameter")
+
+
+def _on(t, device: torch.device):
+    """``t`` (a tensor or None) on ``device``."""
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=True)
+
+
+def _step_per_device(name: str, params: List[torch.Tensor], lists: List[list], masks: list,
+                     scalars: tuple, extra: dict) -> None:
+    """Run the in-place step op ``name`` once per device of ``params``: ``lists`` are
+    parallel to ``params`` (an empty list stays empty), ``masks`` too (or empty).
+    Every device's implementation is resolved before any call, so a device without a
+    kernel raises before anything is written."""
+    groups: Dict[torch.device, List[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p.device, []).append(i)
+    if any(m is not None for m in masks):
+        masks = list(masks)
+    else:
+        masks = []
+    with torch.no_grad():
+        plans = [(device, idx, _impl(name, device, [params[i] for i in idx]))
+                 for device, idx in groups.items()]
+        for device, idx, fn in plans:
+            part = [params[i] for i in idx]
+            part_lists = [[lst[i] for i in idx] if lst else [] for lst in lists]
+            part_masks = [masks[i] for i in idx] if masks else []
+            part_extra = {k: _on(v, device) for k, v in extra.items()}
+            fn(part, *part_lists, part_masks, *scalars, **part_extra)
+
+
+def sgd_step_(params, grads, momentum_buffers, masks=(), *, lr: float, momentum: float = 0.0,
+              dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+              maximize: bool = False, first_step: bool = False, clip_coef=None,
+              grad_scale=None, found_inf=None) -> None:
+    """One fused SGD step over ``params`` in place (torch.optim.SGD's arithmetic;
+    see ``csrc/ops.cpp`` for the contract). Parameters may be on several devices
+    (one op call per device); the 0-dim ``clip_coef`` / ``grad_scale`` /
+    ``found_inf`` are moved to each."""
+    params = list(params)
+    if not params:
+        return
+    _step_per_device(
+        "sgd_step_", params, [list(grads), list(momentum_buffers)], list(masks),
+        (float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov),
+         bool(maximize), bool(first_step)),
+        {"clip_coef": clip_coef, "grad_scale": grad_scale, "found_inf": found_inf},
+    )
+
+
+def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks=(), *,
+                lr: float, beta1: float, beta2: float, weight_decay: float, eps: float,
+                amsgrad: bool = False, maximize: bool = False, clip_coef=None,
+                grad_scale=None, found_inf=None) -> None:
+    """One fused AdamW step over ``params`` in place (torch.optim.AdamW's
+    arithmetic; see ``csrc/ops.cpp`` for the contract). Parameters may be on
+    several devices (one op call per device)."""
+    params = list(params)
+    if not params:
+        return
+    _step_per_device(
+        "adamw_step_", params,
+        [list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(steps)],
+        list(masks),
+        (float(lr), float(beta1), float(beta2), float(weight_decay), float(eps), bool(amsgrad),
+         bool(maximize)),
+        {"clip_coef": clip_coef, "grad_scale": grad_scale, "found_inf": found_inf},
+    )

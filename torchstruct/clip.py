@@ -1,6 +1,8 @@
 """Global norms and clipping by global norm."""
 from __future__ import annotations
 
+import types
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -9,7 +11,7 @@ from torch import nn
 from . import _ops, tree
 from .declare import trainable_parameters
 
-__all__ = ["global_norm"]
+__all__ = ["clip_by_global_norm", "global_norm"]
 
 
 def _tensors(x) -> list[torch.Tensor]:
@@ -49,3 +51,94 @@ def global_norm(x, norm_type: float = 2.0) -> torch.Tensor:
         5.0
     """
     return _ops.global_norm(_tensors(x), float(norm_type))
+
+
+def _grads_to_clip(params) -> list[torch.Tensor]:
+    """The gradients ``clip_by_global_norm`` works on (see its docstring)."""
+    if isinstance(params, nn.Module):
+        return [p.grad for _, p in trainable_parameters(params) if p.grad is not None]
+    if isinstance(params, dict):  # a tree of gradients: its leaves, a shared tensor once
+        return list({id(t): t for t in tree.leaves(params)}.values())
+    if isinstance(params, torch.Tensor):
+        return [params.grad] if params.grad is not None else []
+    if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
+        is_generator = isinstance(params, types.GeneratorType)
+        params = list(params)
+        if is_generator and not params:
+            warnings.warn(
+                "`parameters` is an empty generator, no gradient clipping will occur.",
+                stacklevel=3,
+            )
+        try:
+            grads = []
+            for p in params:  # one .grad read each (slow on nn.Parameter); traceable by dynamo
+                g = p.grad
+                if g is not None:
+                    grads.append(g)
+            return grads
+        except AttributeError:
+            for i, p in enumerate(params):
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(
+                        f"clip_by_global_norm: parameters[{i}] is a {type(p).__name__}, not a "
+                        f"tensor (expected parameters whose .grad is clipped)"
+                    ) from None
+            raise
+    raise TypeError(
+        f"clip_by_global_norm: expected a parameter, an iterable of parameters, a model or a "
+        f"tree (dict) of gradients; got {type(params).__name__}"
+    )
+
+
+def clip_by_global_norm(
+    params,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip gradients by their global norm, in place: a drop-in for
+    ``torch.nn.utils.clip_grad_norm_``.
+
+    Every gradient is multiplied by ``min(max_norm / (total_norm + 1e-6), 1)``, where
+    ``total_norm`` is the ``norm_type``-norm of all gradient elements taken together.
+
+    Arguments:
+        params: what to clip --
+            a tensor or an iterable of tensors (parameters): their ``.grad``, skipping
+            ``None``, the list taken as given (exactly as ``clip_grad_norm_`` takes it: a
+            parameter listed twice counts twice and is scaled twice);
+            an ``nn.Module``: the gradients of its trainable parameters, a tied parameter once;
+            a tree (nested ``dict``) of gradient tensors, e.g. from ``ts.structural_grad``: its
+            leaves themselves, a tensor held at several paths once (``None`` leaves skipped).
+        max_norm: the largest allowed total norm, ``>= 0`` (``ValueError`` otherwise).
+        norm_type: 1, 2, ``inf`` or any p > 0.
+        error_if_nonfinite: raise ``RuntimeError`` (gradients left unchanged) when the total
+            norm is NaN or inf. This reads the norm on the host (a device sync on CUDA); without
+            it there is none. Default ``False``: like torch, a NaN norm makes every gradient NaN.
+        foreach: accepted for compatibility and ignored (the fused kernel is always used).
+
+    Returns:
+        The total norm before clipping, a 0-dim tensor on the first gradient's device, in the
+        dtype ``clip_grad_norm_`` returns (the promotion of the gradient dtypes; fp16/bf16 are
+        accumulated in fp32 all the same). ``tensor(0.)`` when there is no gradient.
+
+    Raises:
+        ValueError: negative (or NaN) ``max_norm``, bad ``norm_type``.
+        TypeError: a non-tensor entry, a sparse gradient, an unsupported dtype.
+        RuntimeError: non-finite norm with ``error_if_nonfinite``; a device the compiled
+            extension was not built for. Nothing is modified when anything is raised.
+
+    Example:
+        >>> import torch, torchstruct as ts
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> w.grad = torch.tensor([3.0, 4.0])
+        >>> float(ts.clip_by_global_norm([w], max_norm=1.0))
+        5.0
+        >>> round(float(w.grad.norm()), 4)
+        1.0
+    """
+    del foreach  # always fused
+    with torch.no_grad():
+        grads = _grads_to_clip(params)
+        return _ops.clip_by_global_norm_(grads, max_norm, norm_type, error_if_nonfinite)

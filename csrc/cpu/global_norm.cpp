@@ -1,242 +1,18 @@
 // CPU kernel of torchstruct::global_norm.
 //
-// One call walks every tensor: the inputs are cut into work chunks (at most
-// kChunk elements, never spanning two tensors), at::parallel_for runs over the
-// chunks, each chunk writes its partial (a double) into its own slot, and a
-// serial pass reduces the partials and applies the root. Inside a chunk,
-// elements are processed in blocks of kBlock with kLanes independent
-// accumulators (float for float/half/bfloat16 input, double for double input),
-// written so that g++ -O3 vectorizes them; every block is flushed into a double.
-#include "../common.h"
+// One call walks every tensor: the chunked, parallel, vectorized reduction of
+// norm.h / norm.cpp over all of them, then the root. Tensors whose memory is a
+// dense span (contiguous or a permutation of dims) are read in place; others
+// from a contiguous copy.
+#include "norm.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/scalar_tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
 #include <vector>
-
-// The inner loops are compiled twice on x86-64 Linux with GCC (baseline SSE2 and
-// AVX2), and the loader picks the best for the running CPU (ifunc).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define TS_TARGET_CLONES __attribute__((target_clones("avx2", "default")))
-#else
-#define TS_TARGET_CLONES
-#endif
-#if defined(__GNUC__)
-#define TS_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define TS_ALWAYS_INLINE inline
-#endif
 
 namespace torchstruct {
 namespace {
-
-constexpr int64_t kChunk = 64 * 1024;  // elements per parallel work item
-constexpr int64_t kBlock = 1024;       // elements per float accumulation block
-constexpr int kLanes = 16;             // independent accumulators per block
-constexpr int64_t kGrainElems = 32 * 1024;  // minimum elements per thread
-
-struct Chunk {
-  const void* data;
-  int64_t numel;
-  c10::ScalarType dtype;
-};
-
-// max that propagates NaN from either side (a NaN accumulator sticks).
-template <typename T>
-inline T nan_max(T acc, T a) {
-  return (a > acc || a != a) ? a : acc;
-}
-
-inline double combine(double acc, double v, NormKind kind) {
-  return kind == NormKind::kInf ? nan_max(acc, v) : acc + v;
-}
-
-template <NormKind K>
-inline double fold(double acc, double v) {
-  if constexpr (K == NormKind::kInf) {
-    return nan_max(acc, v);
-  } else {
-    return acc + v;
-  }
-}
-
-// Reduces n (<= kBlock) contiguous values of type T (float or double) into a
-// double: the sum of |x|, x^2 or |x|^p, or the max of |x| (NaN-propagating).
-//
-// For kInf (double) the lanes use the plain `a > m ? a : m` (one max
-// instruction, which drops NaN) and a second set of lanes sums x * 0, which is
-// NaN iff some x is NaN or inf; only then is the block rescanned for a NaN.
-// float inf-norm: for |x| the IEEE bit patterns order like the values, and
-// every NaN pattern is above inf's, so an integer max of the bits is a
-// NaN-propagating max of |x| (vectorizes to integer max/compare instructions).
-TS_ALWAYS_INLINE double max_abs_block(const float* __restrict x, int64_t n) {
-  int32_t acc[kLanes];
-  for (int k = 0; k < kLanes; ++k) acc[k] = 0;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      int32_t bits;
-      std::memcpy(&bits, x + i + k, sizeof(bits));
-      bits &= 0x7fffffff;
-      acc[k] = bits > acc[k] ? bits : acc[k];
-    }
-  }
-  for (; i < n; ++i) {
-    int32_t bits;
-    std::memcpy(&bits, x + i, sizeof(bits));
-    bits &= 0x7fffffff;
-    acc[0] = bits > acc[0] ? bits : acc[0];
-  }
-  int32_t m = 0;
-  for (int k = 0; k < kLanes; ++k) m = acc[k] > m ? acc[k] : m;
-  if (m > 0x7f800000) return std::numeric_limits<double>::quiet_NaN();
-  float f;
-  std::memcpy(&f, &m, sizeof(f));
-  return static_cast<double>(f);
-}
-
-template <typename T, NormKind K>
-TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n, T p) {
-  if constexpr (K == NormKind::kInf && std::is_same_v<T, float>) {
-    return max_abs_block(x, n);
-  }
-  T acc[kLanes];
-  T nonfinite[kLanes];
-  for (int k = 0; k < kLanes; ++k) {
-    acc[k] = T(0);
-    nonfinite[k] = T(0);
-  }
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const T a = std::abs(x[i + k]);
-      if constexpr (K == NormKind::kInf) {
-        acc[k] = a > acc[k] ? a : acc[k];
-        nonfinite[k] += a * T(0);
-      } else if constexpr (K == NormKind::kOne) {
-        acc[k] += a;
-      } else if constexpr (K == NormKind::kTwo) {
-        acc[k] += a * a;
-      } else {
-        acc[k] += std::pow(a, p);
-      }
-    }
-  }
-  for (; i < n; ++i) {
-    const T a = std::abs(x[i]);
-    if constexpr (K == NormKind::kInf) {
-      acc[0] = nan_max(acc[0], a);
-    } else if constexpr (K == NormKind::kOne) {
-      acc[0] += a;
-    } else if constexpr (K == NormKind::kTwo) {
-      acc[0] += a * a;
-    } else {
-      acc[0] += std::pow(a, p);
-    }
-  }
-  double out = 0.0;
-  for (int k = 0; k < kLanes; ++k) {
-    if constexpr (K == NormKind::kInf) {
-      out = nan_max(out, static_cast<double>(acc[k]));
-    } else {
-      out += static_cast<double>(acc[k]);
-    }
-  }
-  if constexpr (K == NormKind::kInf) {
-    T bad = T(0);
-    for (int k = 0; k < kLanes; ++k) bad += nonfinite[k];
-    if (bad != bad) {  // some NaN or inf in the vectorized part: look for a NaN
-      for (int64_t j = 0; j < n; ++j) {
-        if (x[j] != x[j]) return std::numeric_limits<double>::quiet_NaN();
-      }
-    }
-  }
-  return out;
-}
-
-inline float to_float(c10::Half h) { return static_cast<float>(h); }
-
-inline float to_float(c10::BFloat16 b) {
-  // bfloat16 is the upper half of a float32.
-  const uint32_t bits = static_cast<uint32_t>(b.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-template <NormKind K>
-TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c, double p) {
-  double acc = 0.0;
-  switch (c.dtype) {
-    case c10::kFloat: {
-      const float* x = static_cast<const float*>(c.data);
-      for (int64_t b = 0; b < c.numel; b += kBlock) {
-        acc = fold<K>(acc, reduce_block<float, K>(x + b, std::min(kBlock, c.numel - b),
-                                                  static_cast<float>(p)));
-      }
-      break;
-    }
-    case c10::kDouble: {
-      const double* x = static_cast<const double*>(c.data);
-      for (int64_t b = 0; b < c.numel; b += kBlock) {
-        acc = fold<K>(acc, reduce_block<double, K>(x + b, std::min(kBlock, c.numel - b), p));
-      }
-      break;
-    }
-    case c10::kHalf:
-    case c10::kBFloat16: {
-      float buf[kBlock];
-      for (int64_t b = 0; b < c.numel; b += kBlock) {
-        const int64_t n = std::min(kBlock, c.numel - b);
-        if (c.dtype == c10::kHalf) {
-          const c10::Half* x = static_cast<const c10::Half*>(c.data) + b;
-          for (int64_t i = 0; i < n; ++i) buf[i] = to_float(x[i]);
-        } else {
-          const c10::BFloat16* x = static_cast<const c10::BFloat16*>(c.data) + b;
-          for (int64_t i = 0; i < n; ++i) buf[i] = to_float(x[i]);
-        }
-        acc = fold<K>(acc, reduce_block<float, K>(buf, n, static_cast<float>(p)));
-      }
-      break;
-    }
-    default:
-      TORCH_CHECK(false, "torchstruct::global_norm: unsupported dtype ", c.dtype);
-  }
-  return acc;
-}
-
-TS_TARGET_CLONES double chunk_inf(const Chunk& c, double p) {
-  return reduce_chunk<NormKind::kInf>(c, p);
-}
-TS_TARGET_CLONES double chunk_one(const Chunk& c, double p) {
-  return reduce_chunk<NormKind::kOne>(c, p);
-}
-TS_TARGET_CLONES double chunk_two(const Chunk& c, double p) {
-  return reduce_chunk<NormKind::kTwo>(c, p);
-}
-TS_TARGET_CLONES double chunk_pow(const Chunk& c, double p) {
-  return reduce_chunk<NormKind::kPow>(c, p);
-}
-
-template <double (*ChunkFn)(const Chunk&, double)>
-void reduce_chunks(const std::vector<Chunk>& chunks, double p, std::vector<double>& partials,
-                   int64_t grain) {
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), grain,
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t i = begin; i < end; ++i) {
-                       partials[i] = ChunkFn(chunks[i], p);
-                     }
-                   });
-}
 
 at::Tensor global_norm_cpu(at::TensorList tensors, double norm_type) {
   check_norm_type(norm_type);
@@ -244,40 +20,16 @@ at::Tensor global_norm_cpu(at::TensorList tensors, double norm_type) {
   TORCH_CHECK(tensors[0].device().is_cpu(),
               "torchstruct::global_norm: CPU kernel called with tensors on ", tensors[0].device());
 
-  // Keep contiguous versions alive for the duration of the call.
-  std::vector<at::Tensor> owned;
-  owned.reserve(tensors.size());
-  std::vector<Chunk> chunks;
+  std::vector<at::Tensor> owned;  // contiguous copies, alive for the call
+  std::vector<cpu::Chunk> chunks;
+  chunks.reserve(tensors.size());
   int64_t total = 0;
   for (const at::Tensor& t : tensors) {
-    const int64_t n = t.numel();
-    if (n == 0) continue;
-    owned.push_back(t.contiguous());
-    const at::Tensor& c = owned.back();
-    const char* base = static_cast<const char*>(c.const_data_ptr());
-    const int64_t itemsize = static_cast<int64_t>(c.element_size());
-    for (int64_t start = 0; start < n; start += kChunk) {
-      chunks.push_back(Chunk{base + start * itemsize, std::min(kChunk, n - start), c.scalar_type()});
-    }
-    total += n;
+    if (t.numel() == 0) continue;
+    cpu::append_tensor(t, chunks, owned);
+    total += t.numel();
   }
-
-  const NormKind kind = norm_kind(norm_type);
-  double reduced = 0.0;
-  if (!chunks.empty()) {
-    const int64_t nchunks = static_cast<int64_t>(chunks.size());
-    // Grain in chunks, so that each thread gets at least ~kGrainElems elements.
-    const int64_t grain = std::max<int64_t>(1, (kGrainElems * nchunks + total - 1) / total);
-    std::vector<double> partials(chunks.size(), 0.0);
-    switch (kind) {
-      case NormKind::kInf: reduce_chunks<chunk_inf>(chunks, norm_type, partials, grain); break;
-      case NormKind::kOne: reduce_chunks<chunk_one>(chunks, norm_type, partials, grain); break;
-      case NormKind::kTwo: reduce_chunks<chunk_two>(chunks, norm_type, partials, grain); break;
-      case NormKind::kPow: reduce_chunks<chunk_pow>(chunks, norm_type, partials, grain); break;
-    }
-    for (double v : partials) reduced = combine(reduced, v, kind);
-  }
-  const double result = finish_norm(reduced, norm_type, kind);
+  const double result = cpu::norm_of_chunks(chunks, norm_type, total);
   return at::scalar_tensor(result, at::TensorOptions().dtype(out_dtype).device(c10::kCPU));
 }
 

@@ -1,0 +1,254 @@
+// CUDA kernels of torchstruct::scale_ and torchstruct::clip_by_global_norm_.
+//
+// clip_by_global_norm_, with no host synchronization (all launches on the
+// current stream):
+//  1. every input is checked on the host (nothing is written when a check fails);
+//  2. the norm partials of norm.cuh: one partial_kernel launch per dtype group;
+//  3. `clip_finish_kernel` (one block) reduces the partials, writes the 0-dim
+//     norm (in the promoted dtype of the grads, as clip_grad_norm_ returns it)
+//     and the coefficient min(max_norm / (norm + 1e-6), 1), evaluated as torch
+//     evaluates it in the accumulation dtype, into a device double;
+//  4. one `scale_kernel` launch per dtype group over the chunks of the tensors
+//     that are dense spans (read in place): each block reads the coefficient
+//     from device memory and returns at once when it is exactly 1 (x * 1 == x:
+//     the result is what PyTorch's unconditional multiply gives).
+// Tensors that are not dense spans (read from copies in step 2) are scaled with
+// out-of-place ops on the device, the coefficient still never leaving it. When
+// two entries of the list share memory (the same grad twice, as torch allows),
+// step 4 runs entry by entry in list order instead, so a duplicate is
+// multiplied twice, as in torch, and no two blocks write the same element.
+#include "norm.cuh"
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace torchstruct {
+namespace {
+
+using namespace torchstruct::cuda;
+
+template <typename out_t>
+__device__ __forceinline__ out_t from_double(double v) {
+  if constexpr (std::is_same_v<out_t, double>) {
+    return v;
+  } else if constexpr (std::is_same_v<out_t, float>) {
+    return static_cast<float>(v);
+  } else {
+    return out_t(static_cast<float>(v));
+  }
+}
+
+template <typename out_t, typename acc_t>
+__global__ void clip_finish_kernel(const double* __restrict__ partials, int64_t n, int kind,
+                                   double p, double max_norm, out_t* __restrict__ out,
+                                   double* __restrict__ coef) {
+  const double v = reduce_partials(partials, n, kind, p);
+  if (threadIdx.x == 0) {
+    *out = from_double<out_t>(v);
+    *coef = static_cast<double>(clip_coefficient<acc_t>(static_cast<acc_t>(v), max_norm));
+  }
+}
+
+// Multiplies chunks [0, grid) of a group in place by the coefficient (read from
+// `coef_ptr` on the device, or `coef_value` when coef_ptr is null), in acc_t.
+template <typename scalar_t, typename acc_t>
+__global__ void scale_kernel(const int64_t* __restrict__ meta, int64_t num_tensors,
+                             int64_t num_chunks, const double* __restrict__ coef_ptr,
+                             double coef_value) {
+  const acc_t c = static_cast<acc_t>(coef_ptr != nullptr ? *coef_ptr : coef_value);
+  if (c == acc_t(1)) return;
+  const ChunkRef r = chunk_ref(meta, num_tensors, num_chunks, blockIdx.x);
+  scalar_t* x = reinterpret_cast<scalar_t*>(meta[r.tensor]);
+  for (int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+    x[i] = static_cast<scalar_t>(static_cast<acc_t>(x[i]) * c);
+  }
+}
+
+void launch_scale(const Plan& plan, const double* coef_ptr, double coef_value,
+                  cudaStream_t stream) {
+  if (plan.total_chunks == 0) return;
+  const int64_t* meta_dev = plan.meta.const_data_ptr<int64_t>();
+  for (const Group& g : plan.groups) {
+    if (g.num_direct_chunks == 0) continue;
+    const int64_t n = static_cast<int64_t>(g.tensors.size());
+    const dim3 grid(static_cast<unsigned int>(g.num_direct_chunks));
+    const int64_t* gm = meta_dev + g.meta_offset;
+    switch (g.dtype) {
+      case c10::kFloat:
+        scale_kernel<float, float><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, coef_ptr,
+                                                                  coef_value);
+        break;
+      case c10::kDouble:
+        scale_kernel<double, double><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, coef_ptr,
+                                                                    coef_value);
+        break;
+      case c10::kHalf:
+        scale_kernel<c10::Half, float><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks,
+                                                                      coef_ptr, coef_value);
+        break;
+      case c10::kBFloat16:
+        scale_kernel<c10::BFloat16, float><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks,
+                                                                          coef_ptr, coef_value);
+        break;
+      default:
+        TORCH_CHECK(false, "torchstruct: unsupported dtype ", g.dtype);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// Checks everything that could make an in-place write fail (before any write).
+void check_writable(at::TensorList tensors, const char* op) {
+  check_inplace_allowed(tensors, op);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    if (t.numel() > 1 && !is_dense_span(t)) {
+      TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": tensor ", i,
+                  " has elements that share memory (e.g. an expanded tensor) and cannot be "
+                  "written in place");
+    }
+  }
+}
+
+// Whether the memory of two non-empty entries overlaps.
+bool entries_overlap(at::TensorList tensors) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  spans.reserve(tensors.size());
+  bool sorted = true;
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    int64_t last = 0;  // strides are >= 0: the elements lie between the first and the last
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const uintptr_t end = begin + static_cast<uintptr_t>(last + 1) * t.element_size();
+    if (!spans.empty() && begin < spans.back().second) sorted = false;
+    spans.emplace_back(begin, end);
+  }
+  if (sorted) return false;
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return true;
+  }
+  return false;
+}
+
+// t *= coef (a 0-dim double tensor on t's device) for a tensor that is not a
+// dense span, in acc arithmetic: float for float/half/bfloat16, double for double.
+void scale_strided(const at::Tensor& t, const at::Tensor& coef) {
+  const c10::ScalarType acc = t.scalar_type() == c10::kDouble ? c10::kDouble : c10::kFloat;
+  t.copy_(at::mul(t.to(acc), coef.to(acc)));
+}
+
+// The scale step for all of `tensors` (checked), the coefficient a 0-dim double
+// tensor on their device.
+void scale_all(at::TensorList tensors, const Plan& plan, const at::Tensor& coef,
+               cudaStream_t stream) {
+  const double* coef_dev = coef.const_data_ptr<double>();
+  if (!entries_overlap(tensors)) {
+    launch_scale(plan, coef_dev, 0.0, stream);
+    if (!plan.all_direct) {
+      for (const at::Tensor& t : tensors) {
+        if (t.numel() > 0 && !is_dense_span(t)) scale_strided(t, coef);
+      }
+    }
+    return;
+  }
+  // Shared memory between entries: entry by entry, in list order.
+  for (const at::Tensor& t : tensors) {
+    if (t.numel() == 0) continue;
+    if (is_dense_span(t)) {
+      const Plan one = make_plan(at::TensorList(&t, 1));
+      launch_scale(one, coef_dev, 0.0, stream);
+    } else {
+      scale_strided(t, coef);
+    }
+  }
+}
+
+void check_cuda(at::TensorList tensors, const char* op) {
+  TORCH_CHECK(tensors[0].device().is_cuda(), op, ": CUDA kernel called with tensors on ",
+              tensors[0].device());
+}
+
+void scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
+  constexpr const char* op = "torchstruct::scale_";
+  check_float_tensors(tensors, op);
+  check_cuda(tensors, op);
+  TORCH_CHECK(scale.defined() && scale.dim() == 0, op, ": scale must be a 0-dim tensor");
+  TORCH_CHECK(scale.device().is_cpu() || scale.device() == tensors[0].device(), op,
+              ": scale must be on cpu or on ", tensors[0].device(), ", got ", scale.device());
+  TORCH_CHECK_TYPE(is_supported_float(scale.scalar_type()), op, ": scale has dtype ",
+                   scale.scalar_type(), "; expected a floating-point dtype");
+  check_writable(tensors, op);
+  const c10::cuda::CUDAGuard guard(tensors[0].device());
+  bump_versions(tensors);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // A CPU scalar is read on the host (no sync); a device scalar stays there.
+  const at::Tensor coef = scale.device().is_cpu()
+                              ? at::empty({}, tensors[0].options().dtype(c10::kDouble))
+                                    .fill_(scale.item<double>())
+                              : scale.to(c10::kDouble);
+  const Plan plan = make_plan(tensors);
+  scale_all(tensors, plan, coef, stream);
+}
+
+at::Tensor clip_by_global_norm_cuda(at::TensorList grads, double max_norm, double norm_type) {
+  constexpr const char* op = "torchstruct::clip_by_global_norm_";
+  check_norm_type(norm_type, op);
+  check_max_norm(max_norm, op);
+  const c10::ScalarType acc_dtype = check_float_tensors(grads, op);
+  check_cuda(grads, op);
+  check_writable(grads, op);
+  const c10::Device device = grads[0].device();
+  bump_versions(grads);
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int kind = static_cast<int>(norm_kind(norm_type));
+
+  const Plan plan = make_plan(grads);
+  const c10::ScalarType out_dtype = promoted_dtype(grads);
+  at::Tensor out = at::empty({}, grads[0].options().dtype(out_dtype));
+  at::Tensor coef = at::empty({}, grads[0].options().dtype(c10::kDouble));
+  at::Tensor partials = at::empty({std::max<int64_t>(plan.total_chunks, 1)},
+                                  grads[0].options().dtype(c10::kDouble));
+  launch_partials(plan, kind, norm_type, partials.data_ptr<double>(), stream, op);
+
+  const double* parts = partials.const_data_ptr<double>();
+  double* coef_dev = coef.data_ptr<double>();
+  const int64_t n = plan.total_chunks;
+#define TS_CLIP_FINISH(out_t, acc_t)                                                      \
+  clip_finish_kernel<out_t, acc_t><<<1, kThreads, 0, stream>>>(                           \
+      parts, n, kind, norm_type, max_norm, reinterpret_cast<out_t*>(out.data_ptr()), coef_dev)
+  const bool acc_double = acc_dtype == c10::kDouble;
+  switch (out_dtype) {
+    case c10::kDouble: TS_CLIP_FINISH(double, double); break;
+    case c10::kFloat:
+      if (acc_double) { TS_CLIP_FINISH(float, double); } else { TS_CLIP_FINISH(float, float); }
+      break;
+    case c10::kHalf: TS_CLIP_FINISH(c10::Half, float); break;
+    case c10::kBFloat16: TS_CLIP_FINISH(c10::BFloat16, float); break;
+    default: TORCH_CHECK(false, op, ": unsupported dtype ", out_dtype);
+  }
+#undef TS_CLIP_FINISH
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+
+  scale_all(grads, plan, coef, stream);
+  return out;
+}
+
+}  // namespace
+}  // namespace torchstruct
+
+TORCH_LIBRARY_IMPL(torchstruct, CUDA, m) {
+  m.impl("scale_", &torchstruct::scale_cuda);
+  m.impl("clip_by_global_norm_", &torchstruct::clip_by_global_norm_cuda);
+}

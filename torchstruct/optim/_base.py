@@ -1,0 +1,268 @@
+"""The masked-step base shared by ``torchstruct.optim.SGD`` and ``AdamW``.
+
+A step, in order:
+
+1. **Plan and check** (nothing is written yet): walk the param groups, keep the
+   parameters that will be stepped -- ``requires_grad`` true and a ``.grad`` --
+   each tensor once (a tied parameter listed in several places is stepped at its
+   first place), and check the hyper-parameters of every group, the gradients
+   (dense, a supported dtype), the masks (shape, dtype, device) and that the
+   compiled backend has a kernel for each parameter's device. Any problem
+   raises here, naming the parameter, before any parameter or state changes.
+2. **AMP**: ``self.grad_scale`` / ``self.found_inf`` as ``torch.amp.GradScaler``
+   sets them on optimizers with ``_step_supports_amp_scaling``. A ``found_inf``
+   on the CPU is read on the host: when set, the step is skipped before any
+   state exists (as torch skips its step). On an accelerator it goes to the
+   kernels, which skip the update on the device without a host sync.
+3. **Clip**: with ``max_grad_norm``, one pass over the gradients of the stepped
+   parameters (all groups together) gives the global norm (divided by the grad
+   scale), kept as ``last_grad_norm``; the coefficient
+   ``clamp(max_grad_norm / (norm + 1e-6), max=1)`` stays a tensor and is
+   applied inside the update kernel. Gradients are never written.
+4. **Update**: new state is created, then one fused op call per param group
+   (and device) updates parameters and state in one pass.
+
+Parameters that are frozen at step time (``requires_grad`` false) are never
+read or written and get no ``optimizer.state`` entry, even with a stale
+``.grad`` and weight decay.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, List, Optional
+
+import torch
+
+from .. import _ops
+from .._reference import FLOAT_DTYPES, validate_norm_type
+
+__all__ = ["MaskedOptimizer"]
+
+
+def _number(value, what: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{what} must be a number, got {value!r}") from None
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def _like(p: torch.Tensor, t: torch.Tensor, dtype=None) -> torch.Tensor:
+    """``t`` laid out like ``p`` (a copy when the strides differ)."""
+    if _same_layout(t, p):
+        return t
+    out = torch.empty_like(p, dtype=dtype if dtype is not None else t.dtype)
+    out.copy_(t)
+    return out
+
+
+class MaskedOptimizer(torch.optim.Optimizer):
+    """Base of the fused optimizers: planning, checks, masks, clip, AMP.
+
+    Subclasses set ``_op`` (the ``torchstruct._ops`` op name), implement
+    ``_check_group(index, group)`` (raise ``ValueError`` for bad
+    hyper-parameters) and ``_update(group, params, grads, masks, clip_coef,
+    grad_scale, found_inf)`` (create missing state, call the op).
+    """
+
+    _op = ""
+    # torch.amp.GradScaler.step: set grad_scale / found_inf and call step().
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, defaults: dict, *, masks=None, max_grad_norm=None,
+                 norm_type: float = 2.0):
+        name = type(self).__name__
+        lr = _number(defaults["lr"], f"{name}: lr")
+        if math.isnan(lr) or lr < 0:
+            raise ValueError(f"{name}: lr must be >= 0, got {defaults['lr']!r}")
+        if max_grad_norm is not None:
+            max_grad_norm = _number(max_grad_norm, f"{name}: max_grad_norm")
+            if math.isnan(max_grad_norm) or max_grad_norm < 0:
+                raise ValueError(f"{name}: max_grad_norm must be >= 0, got {max_grad_norm!r}")
+        norm_type = validate_norm_type(norm_type)
+        super().__init__(params, defaults)
+        for index, group in enumerate(self.param_groups):
+            self._check_group(index, group)
+        #: the global-norm clip threshold (None: no clipping)
+        self.max_grad_norm: Optional[float] = max_grad_norm
+        #: the order of that norm
+        self.norm_type: float = norm_type
+        #: the total gradient norm of the last step (0-dim tensor, unscaled), or None
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        #: element masks, {param: bool tensor}; see set_mask
+        self.masks: Dict[torch.Tensor, torch.Tensor] = {}
+        if masks:
+            checked = {}
+            for p, mask in dict(masks).items():
+                self._check_mask(p, mask, require_member=True)
+                checked[p] = mask
+            self.masks.update(checked)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("max_grad_norm", None)
+        self.__dict__.setdefault("norm_type", 2.0)
+        self.__dict__.setdefault("last_grad_norm", None)
+        self.__dict__.setdefault("masks", {})
+        for group in self.param_groups:
+            group.setdefault("maximize", False)
+
+    # -- masks -------------------------------------------------------------
+
+    def set_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
+        """Restrict the updates of ``param`` to the elements where ``mask`` is True
+        (a bool tensor of ``param``'s shape, on its device); ``None`` removes the
+        mask. Masked-out elements, and their state, stay bitwise unchanged."""
+        if mask is None:
+            self.masks.pop(param, None)
+            return
+        self._check_mask(param, mask, require_member=True)
+        self.masks[param] = mask
+
+    def _label(self, param: torch.Tensor) -> str:
+        for gi, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p is param:
+                    names = group.get("param_names")
+                    if names is not None and j < len(names):
+                        return f"parameter {names[j]!r} (shape {tuple(p.shape)})"
+                    return f"parameter {j} of param group {gi} (shape {tuple(p.shape)})"
+        return f"a tensor of shape {tuple(param.shape)} that is not a parameter of this optimizer"
+
+    def _check_mask(self, p, mask, require_member=False) -> None:
+        name = type(self).__name__
+        if not isinstance(p, torch.Tensor):
+            raise ValueError(f"{name}: masks must be keyed by parameters, got a {type(p).__name__}")
+        if require_member and not any(q is p for g in self.param_groups for q in g["params"]):
+            raise ValueError(f"{name}: masks: {self._label(p)}")
+        label = self._label(p)
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError(f"{name}: the mask of {label} is a {type(mask).__name__}, "
+                             f"not a bool tensor")
+        if mask.dtype != torch.bool:
+            raise ValueError(f"{name}: the mask of {label} has dtype {mask.dtype}; "
+                             f"masks must be torch.bool")
+        if mask.shape != p.shape:
+            raise ValueError(f"{name}: the mask of {label} has shape {tuple(mask.shape)}; "
+                             f"it must have the parameter's shape {tuple(p.shape)}")
+        if mask.device != p.device:
+            raise ValueError(f"{name}: the mask of {label} is on {mask.device} but the "
+                             f"parameter is on {p.device}")
+        if mask.layout != torch.strided:
+            raise ValueError(f"{name}: the mask of {label} must be a dense tensor")
+
+    # -- the step ----------------------------------------------------------
+
+    def _check_group(self, index: int, group: dict) -> None:
+        lr = _number(group["lr"], f"{type(self).__name__}: param group {index}: lr")
+        if math.isnan(lr) or lr < 0:
+            raise ValueError(f"{type(self).__name__}: param group {index}: lr must be >= 0, "
+                             f"got {group['lr']!r}")
+
+    def _plan(self) -> List[tuple]:
+        """[(group, params)] of what this step updates; raises (before any write)
+        on bad input."""
+        name = type(self).__name__
+        compiled = _ops.backend() == "compiled"
+        kernels = _ops._KERNELS.get(self._op, frozenset())
+        seen = set()
+        plan = []
+        for index, group in enumerate(self.param_groups):
+            self._check_group(index, group)
+            params = []
+            for p in group["params"]:
+                if not p.requires_grad or p.grad is None or id(p) in seen:
+                    continue  # frozen, no gradient, or already stepped (tied)
+                seen.add(id(p))
+                g = p.grad
+                if g.layout != torch.strided:
+                    raise RuntimeError(
+                        f"{name}: {self._label(p)} has a sparse gradient ({g.layout}); "
+                        f"sparse gradients are not supported (densify them, or use "
+                        f"torch.optim.SparseAdam)")
+                if p.dtype not in FLOAT_DTYPES:
+                    raise TypeError(f"{name}: {self._label(p)} has dtype {p.dtype}; supported "
+                                    f"are float32, float64, float16 and bfloat16")
+                if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
+                    raise RuntimeError(
+                        f"{name}: the gradient of {self._label(p)} has dtype {g.dtype}, shape "
+                        f"{tuple(g.shape)} on {g.device}; expected the parameter's "
+                        f"{p.dtype}, {tuple(p.shape)} on {p.device}")
+                if (compiled and p.device.type not in kernels and p.device.type != "meta"):
+                    raise RuntimeError(f"{name}: {self._label(p)} is on {p.device}. "
+                                       + _ops._no_kernel_message(self._op, p.device))
+                mask = self.masks.get(p)
+                if mask is not None:
+                    self._check_mask(p, mask)
+                params.append(p)
+            if params:
+                plan.append((group, params))
+        return plan
+
+    def _amp(self):
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        if grad_scale is not None and not isinstance(grad_scale, torch.Tensor):
+            grad_scale = torch.tensor(float(grad_scale), dtype=torch.float32)
+        if found_inf is not None and not isinstance(found_inf, torch.Tensor):
+            found_inf = torch.tensor(float(found_inf), dtype=torch.float32)
+        if grad_scale is not None and grad_scale.dtype != torch.float32:
+            grad_scale = grad_scale.float()
+        if found_inf is not None and found_inf.dtype != torch.float32:
+            found_inf = found_inf.float()
+        return grad_scale, found_inf
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every trainable parameter that has a gradient; returns the
+        closure's loss (the closure runs with gradients enabled)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._plan()
+        grad_scale, found_inf = self._amp()
+
+        clip_coef = None
+        if self.max_grad_norm is not None:
+            grads = [p.grad for _, params in plan for p in params]
+            if grads:
+                total = _ops.global_norm(grads, self.norm_type)
+                if grad_scale is not None:  # the norm of the unscaled gradients
+                    inv = grad_scale.double().reciprocal().float().to(total.device)
+                    total = total * inv
+                clip_coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            else:
+                total = torch.zeros(())
+            self.last_grad_norm = total
+
+        if found_inf is not None and found_inf.device.type == "cpu":
+            if found_inf.item() != 0:
+                return loss  # skipped, as torch skips it: nothing changes
+            found_inf = None
+
+        for group, params in plan:
+            grads = [_like(p, p.grad) for p in params]
+            masks = [self._mask_for(p) for p in params]
+            self._update(group, params, grads, masks, clip_coef, grad_scale, found_inf)
+        return loss
+
+    def _mask_for(self, p):
+        mask = self.masks.get(p)
+        return None if mask is None else _like(p, mask)
+
+    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf):
+        raise NotImplementedError
+
+    @staticmethod
+    def _state_like(p: torch.Tensor, t) -> torch.Tensor:
+        """A state tensor of ``p`` as the kernels need it: ``p``'s dtype, device and
+        layout (state loaded from elsewhere is converted once)."""
+        if t.device != p.device or t.dtype != p.dtype or not _same_layout(t, p):
+            out = torch.empty_like(p)
+            out.copy_(t)
+            return out
+        return t

@@ -1,0 +1,105 @@
+"""``torchstruct.optim.AdamW``: torch.optim.AdamW as one fused pass, with the
+frozen rule, element masks, a folded-in global-norm clip and GradScaler support."""
+from __future__ import annotations
+
+import torch
+
+from .. import _ops
+from ._base import MaskedOptimizer, _number
+
+__all__ = ["AdamW"]
+
+
+class AdamW(MaskedOptimizer):
+    """Adam with decoupled weight decay, as ``torch.optim.AdamW(foreach=False)``
+    computes it, in one fused pass per param group.
+
+    Arguments are those of ``torch.optim.AdamW``, plus (keyword only):
+
+    * ``masks``: ``{param: bool tensor}``; only the elements where the mask is True
+      are updated (masked-out elements and their moments stay bitwise unchanged; the
+      parameter's step count still advances).
+    * ``max_grad_norm``: clip by the global norm of all stepped gradients, folded
+      into the update (the gradients are read, never written). The last total norm
+      is ``optimizer.last_grad_norm``.
+    * ``norm_type``: the order of that norm (default 2).
+
+    Frozen parameters (``requires_grad`` false at step time) are never touched and
+    get no state. State is torch's (``step``, ``exp_avg``, ``exp_avg_sq``,
+    ``max_exp_avg_sq``), with ``step`` a float32 tensor on the parameter's device
+    (as torch's fused AdamW keeps it), so ``state_dict()`` is interchangeable with
+    ``torch.optim.AdamW``'s.
+
+    >>> import torch, torchstruct.optim
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> opt = torchstruct.optim.AdamW([w], lr=0.1, weight_decay=0.0)
+    >>> w.grad = torch.tensor([1.0, -1.0])
+    >>> opt.step()
+    >>> w.detach()
+    tensor([0.9000, 1.1000])
+    """
+
+    _op = "adamw_step_"
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 masks=None, max_grad_norm=None, norm_type: float = 2.0):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        amsgrad=amsgrad, maximize=maximize)
+        super().__init__(params, defaults, masks=masks, max_grad_norm=max_grad_norm,
+                         norm_type=norm_type)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+
+    def _check_group(self, index, group):
+        super()._check_group(index, group)
+        name = f"AdamW: param group {index}"
+        betas = group["betas"]
+        if len(betas) != 2:
+            raise ValueError(f"{name}: betas must be a pair, got {betas!r}")
+        for k, beta in enumerate(betas):
+            b = _number(beta, f"{name}: betas[{k}]")
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"{name}: betas[{k}] must be in [0, 1), got {beta!r}")
+        eps = _number(group["eps"], f"{name}: eps")
+        if not eps >= 0:
+            raise ValueError(f"{name}: eps must be >= 0, got {group['eps']!r}")
+        weight_decay = _number(group["weight_decay"], f"{name}: weight_decay")
+        if not weight_decay >= 0:
+            raise ValueError(f"{name}: weight_decay must be >= 0, got {group['weight_decay']!r}")
+
+    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf):
+        amsgrad = bool(group["amsgrad"])
+        exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
+        for p in params:
+            state = self.state.get(p)
+            if not state:  # first step: torch's zero state (step on the parameter's device)
+                state = self.state[p]
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            else:  # state from load_state_dict may be elsewhere: convert once
+                step = state["step"]
+                if (not isinstance(step, torch.Tensor) or step.dtype != torch.float32
+                        or step.device != p.device):
+                    state["step"] = torch.as_tensor(float(step), dtype=torch.float32).to(p.device)
+                state["exp_avg"] = self._state_like(p, state["exp_avg"])
+                state["exp_avg_sq"] = self._state_like(p, state["exp_avg_sq"])
+            if amsgrad:
+                if "max_exp_avg_sq" not in state:
+                    state["max_exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format)
+                state["max_exp_avg_sq"] = self._state_like(p, state["max_exp_avg_sq"])
+                max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        beta1, beta2 = group["betas"]
+        _ops.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks,
+                         lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                         weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+                         amsgrad=amsgrad, maximize=bool(group["maximize"]),
+                         clip_coef=clip_coef, grad_scale=grad_scale, found_inf=found_inf)
