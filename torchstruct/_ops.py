@@ -208,18 +208,9 @@ def _per_device(
     one call per device through ``_impl``. The compiled kernels check every
     input before they write anything, so a refused call has no effect.
     """
-    first = tensors[0]
-    if (
-        _backend == "compiled"
-        and isinstance(first, torch.Tensor)
-        and first.device.type in _KERNELS[name]
-        and not _is_compiling()
-    ):
-        try:
-            if not _needs_autograd(tensors):
-                return [getattr(torch.ops.torchstruct, name)(tensors, *args)]
-        except (AttributeError, RuntimeError, TypeError, ValueError, NotImplementedError):
-            pass  # explained or handled by the checked path
+    out = _try_compiled(name, tensors, args)
+    if out is not _REFUSED:
+        return [out]
     tensors = validate(tensors)
     groups = _group_by_device(tensors)
     return [_impl(name, device, part)(part, *args) for device, part in groups.items()]
