@@ -42,20 +42,8 @@ using cpu::Chunk;
 // In-place scale of one chunk (vectorized by g++ -O3; baseline and AVX2 clones)
 // ---------------------------------------------------------------------------
 
-TS_ALWAYS_INLINE uint16_t float_to_bf16_bits(float f) {
-  // Round to nearest even, as c10::BFloat16 does; NaN becomes the canonical quiet NaN.
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  const uint32_t rounded = (bits + (((bits >> 16) & 1u) + 0x7fffu)) >> 16;
-  return f != f ? static_cast<uint16_t>(0x7fc0) : static_cast<uint16_t>(rounded);
-}
-
-TS_ALWAYS_INLINE float bf16_bits_to_float(uint16_t b) {
-  const uint32_t bits = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using cpu::bf16_bits_to_float;
+using cpu::float_to_bf16_bits;
 
 TS_TARGET_CLONES void scale_chunk(const Chunk& c, double s) {
   const int64_t n = c.numel;

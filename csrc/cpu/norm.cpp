@@ -139,15 +139,6 @@ TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n, T p) {
   return out;
 }
 
-inline float to_float(c10::Half h) { return static_cast<float>(h); }
-
-inline float to_float(c10::BFloat16 b) {
-  // bfloat16 is the upper half of a float32.
-  const uint32_t bits = static_cast<uint32_t>(b.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 template <NormKind K>
 TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c, double p) {
@@ -175,10 +166,10 @@ TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c, double p) {
         const int64_t n = std::min(kBlock, c.numel - b);
         if (c.dtype == c10::kHalf) {
           const c10::Half* x = static_cast<const c10::Half*>(c.data) + b;
-          for (int64_t i = 0; i < n; ++i) buf[i] = to_float(x[i]);
+          for (int64_t i = 0; i < n; ++i) buf[i] = load(x[i]);
         } else {
           const c10::BFloat16* x = static_cast<const c10::BFloat16*>(c.data) + b;
-          for (int64_t i = 0; i < n; ++i) buf[i] = to_float(x[i]);
+          for (int64_t i = 0; i < n; ++i) buf[i] = load(x[i]);
         }
         acc = fold<K>(acc, reduce_block<float, K>(buf, n, static_cast<float>(p)));
       }

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "../common.h"
+#include "elements.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -21,17 +22,10 @@
 #else
 #define TS_TARGET_CLONES
 #endif
-#if defined(__GNUC__)
-#define TS_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define TS_ALWAYS_INLINE inline
-#endif
 
 namespace torchstruct {
 namespace cpu {
 
-constexpr int64_t kChunk = 64 * 1024;       // elements per parallel work item
-constexpr int64_t kGrainElems = 32 * 1024;  // minimum elements per thread
 
 // A contiguous run of elements of one tensor.
 struct Chunk {

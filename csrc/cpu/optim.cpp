@@ -15,6 +15,7 @@
 // found_inf != 0: nothing is written (checked on the host: the tensor is on the
 // CPU). Step counts advance after the loop, so no chunk sees a half-updated one.
 #include "../optim_common.h"
+#include "elements.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -48,17 +49,14 @@
 #define TS_DISPATCH 0
 #define TS_TARGET_FMA
 #endif
-#if defined(__GNUC__)
-#define TS_ALWAYS_INLINE inline __attribute__((always_inline))
-#else
-#define TS_ALWAYS_INLINE inline
-#endif
 
 namespace torchstruct {
 namespace {
 
-constexpr int64_t kChunk = 64 * 1024;       // elements per parallel work item
-constexpr int64_t kGrainElems = 32 * 1024;  // minimum elements per thread
+using cpu::kChunk;
+using cpu::kGrainElems;
+using cpu::load;
+using cpu::store;
 
 // ---------------------------------------------------------------------------
 // element access in the compute type
@@ -73,29 +71,6 @@ struct Acc<double> {
   using type = double;
 };
 
-TS_ALWAYS_INLINE float load(float x) { return x; }
-TS_ALWAYS_INLINE double load(double x) { return x; }
-TS_ALWAYS_INLINE float load(c10::Half x) { return static_cast<float>(x); }
-TS_ALWAYS_INLINE float load(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-template <typename T, typename C>
-TS_ALWAYS_INLINE T store(C x) {
-  return static_cast<T>(x);
-}
-// float -> bfloat16, round to nearest even (as c10::BFloat16(float)), inline.
-template <>
-TS_ALWAYS_INLINE c10::BFloat16 store<c10::BFloat16, float>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof(u));
-  const uint16_t bits = x != x ? uint16_t(0x7fc0)
-                               : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-  return c10::BFloat16(bits, c10::BFloat16::from_bits());
-}
 
 // a * b + c rounded once, where PyTorch's CPU kernels fuse (add with alpha,
 // lerp, addcmul): an instruction in the AVX2 + FMA variant, a libm call in the
@@ -150,6 +125,23 @@ struct Work {
 
 char* ptr_or_null(at::TensorList list, size_t i) {
   return list.empty() ? nullptr : static_cast<char*>(list[i].data_ptr());
+}
+
+// The fields of parameter i that every step fills the same way (state pointers left null).
+Item make_item(at::TensorList params, at::TensorList grads,
+               const c10::List<std::optional<at::Tensor>>& masks, size_t i) {
+  Item it{};
+  it.param = static_cast<char*>(params[i].data_ptr());
+  it.grad = static_cast<const char*>(grads[i].const_data_ptr());
+  if (masks.size() > 0) {
+    const std::optional<at::Tensor> m = masks.get(i);
+    if (m.has_value() && m->defined()) {
+      it.mask = reinterpret_cast<const uint8_t*>(m->const_data_ptr<bool>());
+    }
+  }
+  it.dtype = params[i].scalar_type();
+  it.itemsize = static_cast<int64_t>(params[i].element_size());
+  return it;
 }
 
 void check_distinct(const char* op, at::TensorList params) {
@@ -343,20 +335,8 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
 
   std::vector<Item> items(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    Item& it = items[i];
-    it.param = static_cast<char*>(params[i].data_ptr());
-    it.grad = static_cast<const char*>(grads[i].const_data_ptr());
+    Item& it = items[i] = make_item(params, grads, masks, i);
     it.s0 = ptr_or_null(momentum_buffers, i);
-    it.s1 = it.s2 = nullptr;
-    it.mask = nullptr;
-    if (masks.size() > 0) {
-      const std::optional<at::Tensor> m = masks.get(i);
-      if (m.has_value() && m->defined()) {
-        it.mask = reinterpret_cast<const uint8_t*>(m->const_data_ptr<bool>());
-      }
-    }
-    it.dtype = params[i].scalar_type();
-    it.itemsize = static_cast<int64_t>(params[i].element_size());
   }
   const double inv = inverse_scale(grad_scale);
   const double clip = read_scalar(clip_coef, 1.0);
@@ -633,21 +613,10 @@ void adamw_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   std::vector<Item> items(params.size());
   std::vector<float> new_steps(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
-    Item& it = items[i];
-    it.param = static_cast<char*>(params[i].data_ptr());
-    it.grad = static_cast<const char*>(grads[i].const_data_ptr());
+    Item& it = items[i] = make_item(params, grads, masks, i);
     it.s0 = static_cast<char*>(exp_avgs[i].data_ptr());
     it.s1 = static_cast<char*>(exp_avg_sqs[i].data_ptr());
     it.s2 = ptr_or_null(max_exp_avg_sqs, i);
-    it.mask = nullptr;
-    if (masks.size() > 0) {
-      const std::optional<at::Tensor> m = masks.get(i);
-      if (m.has_value() && m->defined()) {
-        it.mask = reinterpret_cast<const uint8_t*>(m->const_data_ptr<bool>());
-      }
-    }
-    it.dtype = params[i].scalar_type();
-    it.itemsize = static_cast<int64_t>(params[i].element_size());
     // As torch.optim: step_t += 1 (float32), then the bias corrections in double.
     const float step = *steps[i].const_data_ptr<float>() + 1.0f;
     new_steps[i] = step;
