@@ -145,6 +145,18 @@ inline void check_steps(const char* op, at::TensorList params, at::TensorList st
 
 inline bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// The optional clip_coef, grad_scale and found_inf of a step, checked as check_scalar_tensor.
+inline void check_step_scalars(const char* op, at::TensorList params,
+                               const std::optional<at::Tensor>& clip_coef,
+                               const std::optional<at::Tensor>& grad_scale,
+                               const std::optional<at::Tensor>& found_inf) {
+  if (params.empty()) return;
+  const c10::Device device = params[0].device();
+  check_scalar_tensor(op, "clip_coef", clip_coef, device);
+  check_scalar_tensor(op, "grad_scale", grad_scale, device);
+  check_scalar_tensor(op, "found_inf", found_inf, device);
+}
+
 // All checks of sgd_step_ (CPU and CUDA), before anything is written. With
 // positive strides and no gaps (checked), data_ptr() starts a parameter's
 // block of numel elements, laid out alike in every matching tensor.
@@ -170,12 +182,7 @@ inline void check_sgd_inputs(at::TensorList params, at::TensorList grads,
                 momentum_buffers.size());
   }
   check_masks(op, params, masks);
-  if (!params.empty()) {
-    const c10::Device device = params[0].device();
-    check_scalar_tensor(op, "clip_coef", clip_coef, device);
-    check_scalar_tensor(op, "grad_scale", grad_scale, device);
-    check_scalar_tensor(op, "found_inf", found_inf, device);
-  }
+  check_step_scalars(op, params, clip_coef, grad_scale, found_inf);
 }
 
 // All checks of adamw_step_ (CPU and CUDA), before anything is written.
@@ -208,12 +215,7 @@ inline void check_adamw_inputs(at::TensorList params, at::TensorList grads,
   }
   check_steps(op, params, steps);
   check_masks(op, params, masks);
-  if (!params.empty()) {
-    const c10::Device device = params[0].device();
-    check_scalar_tensor(op, "clip_coef", clip_coef, device);
-    check_scalar_tensor(op, "grad_scale", grad_scale, device);
-    check_scalar_tensor(op, "found_inf", found_inf, device);
-  }
+  check_step_scalars(op, params, clip_coef, grad_scale, found_inf);
 }
 
 // Per-call scalars of an SGD step, rounded as PyTorch rounds them when it

@@ -254,6 +254,13 @@ def _check_scalar_tensor(op, name, t, device):
         raise RuntimeError(f"{op}: {name} is on {t.device} but the parameters are on {device}")
 
 
+def _check_step_scalars(op, params, clip_coef, grad_scale, found_inf):
+    """The optional clip_coef, grad_scale and found_inf of a step, on the parameters' device."""
+    if params:
+        for name, t in (("clip_coef", clip_coef), ("grad_scale", grad_scale), ("found_inf", found_inf)):
+            _check_scalar_tensor(op, name, t, params[0].device)
+
+
 def validate_step_inputs(op, params, grads, states, masks, steps=None):
     """The checks of ``sgd_step_`` / ``adamw_step_`` (the compiled kernels make the
     same ones): ``states`` is a list of ``(what, tensors)`` matching ``params``."""
@@ -378,9 +385,7 @@ def sgd_step_(params, grads, momentum_buffers, masks, lr, momentum, dampening, w
         raise ValueError(f"{op}: momentum is 0, so no momentum buffers are expected")
     states = [("momentum buffers", momentum_buffers)] if momentum != 0 else []
     validate_step_inputs(op, params, grads, states, masks)
-    if params:
-        for name, t in (("clip_coef", clip_coef), ("grad_scale", grad_scale), ("found_inf", found_inf)):
-            _check_scalar_tensor(op, name, t, params[0].device)
+    _check_step_scalars(op, params, clip_coef, grad_scale, found_inf)
     with torch.no_grad():
         for i, p in enumerate(params):
             mask = masks[i] if masks else None
@@ -429,9 +434,7 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
     if amsgrad:
         states.append(("max_exp_avg_sqs", max_exp_avg_sqs))
     validate_step_inputs(op, params, grads, states, masks, steps)
-    if params:
-        for name, t in (("clip_coef", clip_coef), ("grad_scale", grad_scale), ("found_inf", found_inf)):
-            _check_scalar_tensor(op, name, t, params[0].device)
+    _check_step_scalars(op, params, clip_coef, grad_scale, found_inf)
     with torch.no_grad():
         for i, p in enumerate(params):
             mask = masks[i] if masks else None
