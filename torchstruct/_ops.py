@@ -40,7 +40,7 @@ from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 
-from . import _reference
+from . import _dtensor, _reference
 
 try:
     from . import _C  # noqa: F401  (importing registers torch.ops.torchstruct.*)
@@ -202,15 +202,11 @@ def _per_device(
     """Run op ``name`` as ``op(part, *args)`` for each device's part of the
     non-empty list ``tensors``; the results in order of first appearance.
 
-    Fast path (eager, compiled backend): one call of the compiled op on the
-    whole list, which checks its input in C++; if it refuses (several devices,
-    bad input), the checked path runs: ``validate`` (raises clear errors), then
-    one call per device through ``_impl``. The compiled kernels check every
-    input before they write anything, so a refused call has no effect.
+    The checked path, after the fast path (``_try_compiled``) refused: ``validate``
+    (raises clear errors), then one call per device through ``_impl``. The compiled
+    kernels check every input before they write anything, so a refused call has no
+    effect.
     """
-    out = _try_compiled(name, tensors, args)
-    if out is not _REFUSED:
-        return [out]
     tensors = validate(tensors)
     groups = _group_by_device(tensors)
     return [_impl(name, device, part)(part, *args) for device, part in groups.items()]
@@ -267,12 +263,18 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
     tensor's device, float64 if any input is float64 else float32
     (``torch.tensor(0.0)`` for an empty list). NaN anywhere gives NaN, inf gives
     inf. Each device's part is reduced by one kernel call; the per-device norms
-    are then combined.
+    are then combined. DTensors (FSDP2) count with all their shards: see
+    ``_dtensor``; the result is then the same plain tensor on every rank.
     """
     p = _reference.validate_norm_type(norm_type)
     tensors = list(tensors) if not isinstance(tensors, torch.Tensor) else [tensors]
     if not tensors:
         return torch.tensor(0.0)
+    out = _try_compiled("global_norm", tensors, (p,))
+    if out is not _REFUSED:
+        return out
+    if _dtensor.any_dtensor(tensors):
+        return _dtensor.global_norm(tensors, p, lambda part: global_norm(part, p))
     norms = _per_device("global_norm", tensors, (p,), _validate_float_tensors("global_norm"))
     if len(norms) == 1:
         return norms[0]
@@ -333,7 +335,7 @@ def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
         return
     if _try_compiled("scale_", tensors, (scale,)) is not _REFUSED:
         return
-    tensors = _validate_writable_tensors("scale_")(tensors)
+    tensors = _validate_writable_tensors("scale_")(_dtensor.locals_(tensors))
     groups = _group_by_device(tensors)
     impls = [(_impl("scale_", device, part), device, part) for device, part in groups.items()]
     for impl, device, part in impls:
@@ -355,7 +357,9 @@ def clip_by_global_norm_(
     Several devices, or ``error_if_nonfinite``: the norm of each device's part,
     combined on the first device, checked (``RuntimeError`` if non-finite, which
     reads the norm on the host; nothing is written then), then each part scaled
-    by the coefficient. Every input is checked before anything is written.
+    by the coefficient. DTensors likewise: the norm of all their shards (a
+    collective, see ``_dtensor``), then each rank's local shards scaled. Every
+    input is checked before anything is written.
     """
     p = _reference.validate_norm_type(norm_type)
     max_norm = _reference.validate_max_norm(max_norm)
@@ -366,19 +370,24 @@ def clip_by_global_norm_(
         out = _try_compiled("clip_by_global_norm_", grads, (max_norm, p))
         if out is not _REFUSED:
             return out
-    grads = _validate_writable_tensors("clip_by_global_norm_")(grads)
-    groups = _group_by_device(grads)
-    if len(groups) == 1 and not error_if_nonfinite:
-        device = grads[0].device
-        return _impl("clip_by_global_norm_", device, grads)(grads, max_norm, p)
+    sharded = _dtensor.any_dtensor(grads)  # DTensors: scale the local shards, norm of all
+    local_grads = _validate_writable_tensors("clip_by_global_norm_")(
+        _dtensor.locals_(grads) if sharded else grads)
+    groups = _group_by_device(local_grads)
+    if len(groups) == 1 and not error_if_nonfinite and not sharded:
+        device = local_grads[0].device
+        return _impl("clip_by_global_norm_", device, local_grads)(local_grads, max_norm, p)
     # Resolve every kernel first: an unsupported device raises before any write.
     plans = [
         (_impl("global_norm", device, part), _impl("scale_", device, part), device, part)
         for device, part in groups.items()
     ]
-    norms = [norm_fn(part, p) for norm_fn, _, _, part in plans]
-    total = norms[0] if len(norms) == 1 else _reference.combine_norms(norms, p, grads[0].device)
-    result = total.to(_reference.clip_result_dtype(grads))
+    if sharded:
+        total = global_norm(grads, p)
+    else:
+        norms = [norm_fn(part, p) for norm_fn, _, _, part in plans]
+        total = norms[0] if len(norms) == 1 else _reference.combine_norms(norms, p, grads[0].device)
+    result = total.to(_reference.clip_result_dtype(local_grads))
     # Checked as returned: an fp16 norm above 65504 is inf there, as torch reports it.
     if error_if_nonfinite and not bool(torch.isfinite(result)):
         raise RuntimeError(
@@ -436,6 +445,9 @@ def _step_per_device(name: str, params: List[torch.Tensor], lists: List[list], m
         masks = list(masks)
     else:
         masks = []
+    if _dtensor.any_dtensor(params):  # FSDP2: update each rank's shard, elementwise
+        params, masks = _dtensor.locals_(params), _dtensor.locals_(masks)
+        lists = [_dtensor.locals_(lst) for lst in lists]
     with torch.no_grad():
         plans = [(device, idx, _impl(name, device, [params[i] for i in idx]))
                  for device, idx in groups.items()]

@@ -70,6 +70,24 @@ def _on_module_registered(module: nn.Module, name: str, _submodule) -> None:
 _module_mod.register_module_parameter_registration_hook(_bump)
 _module_mod.register_module_module_registration_hook(_on_module_registered)
 
+# The parameter objects of each module tree torchstruct last looked at (weakly), to notice
+# parameters put in place without a registration hook firing: FSDP2's ``fully_shard`` writes
+# ``module._parameters`` directly.
+_trees: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _notice_swaps(*modules: nn.Module | None) -> None:
+    """Bump the generation when a tree's parameter objects changed since it was last seen
+    (or it is seen for the first time). Walks the tree: called by entry points, not hooks."""
+    for module in modules:
+        if module is None:
+            continue
+        now = [p for m in module.modules() for p in m._parameters.values() if p is not None]
+        before = _trees.get(module)
+        if before is None or len(before) != len(now) or any(r() is not p for r, p in zip(before, now)):
+            _trees[module] = [weakref.ref(p) for p in now]
+            _bump()
+
 
 # ----------------------------------------------------------------------------- declarations
 def _own_names(module: nn.Module) -> list[str]:
@@ -259,7 +277,9 @@ def pop(entry: Entry) -> None:
 
 def _apply_around(entry: Entry, refuse: bool = True) -> None:
     """Apply every state whose model shares a parameter with the entry's scope."""
-    scope, got = entry.scope(), entry.resolved()
+    scope = entry.scope()
+    _notice_swaps(scope, *(st.root() for st in list(_states.values())))
+    got = entry.resolved()
     if scope is None or got is None:
         return
     governing = _state_for(scope)
@@ -278,6 +298,8 @@ class State:
     generation: int = -1  # the module-tree generation last applied
     idx: ParamIndex | None = None
     _cache: tuple | None = None  # (generation, index, parameter ids, module ids)
+    # path -> (starting flag, flag written) at the last application
+    last: dict = field(default_factory=dict)
     hook: object = None
     norm_hooks: dict[int, tuple[weakref.ref, list]] = field(default_factory=dict)
 
@@ -304,8 +326,12 @@ class State:
         if root is None:
             return
         self.idx = idx = self.index()[0]
-        for p in idx.params:
-            if getattr(p, _WRITTEN, None) is not p.requires_grad:
+        for path, p in idx:
+            written = getattr(p, _WRITTEN, None)
+            before = self.last.get(path)
+            if written is None and before is not None and before[1] is p.requires_grad:
+                setattr(p, _BASE, before[0])  # a copy put in place of the parameter (FSDP2)
+            elif written is not p.requires_grad:
                 setattr(p, _BASE, p.requires_grad)  # first sight, or changed by hand
         flags = {id(p): getattr(p, _BASE) for p in idx.params}
         for entry in _entries:
@@ -319,11 +345,13 @@ class State:
             if p.requires_grad is not flag:
                 p.requires_grad_(flag)
             setattr(p, _WRITTEN, flag)
+        self.last = {path: (getattr(p, _BASE), flag) for path, p, flag in new}
         self._sync_norm_hooks(root)
         self.generation = _generation[0]
 
     def refresh(self) -> None:
         """Apply when anything may have changed; cheap (no selector work) otherwise."""
+        _notice_swaps(self.root())
         if (
             self.generation != _generation[0]
             or self.idx is None

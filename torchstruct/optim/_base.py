@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import _ops
+from .. import _dtensor, _ops
 from .._reference import FLOAT_DTYPES, validate_norm_type
 
 __all__ = ["MaskedOptimizer"]
@@ -153,6 +153,9 @@ class MaskedOptimizer(torch.optim.Optimizer):
                              f"parameter is on {p.device}")
         if mask.layout != torch.strided:
             raise ValueError(f"{name}: the mask of {label} must be a dense tensor")
+        problem = _dtensor.mask_problem(p, mask)
+        if problem:
+            raise ValueError(f"{name}: the mask of {label} {problem}")
 
     # -- the step ----------------------------------------------------------
 
