@@ -1,99 +1,22 @@
 """DistributedDataParallel (gloo, 2 processes on 127.0.0.1) with torchstruct.
 
-Each scenario spawns two fresh processes (``multiprocessing`` "spawn" context), waits for their
-results with a deadline and terminates them when it passes: a hang fails the test, it never
-hangs the suite. The workers compare against a single-process model computed in the worker
+Each scenario runs in two fresh processes (``tests/_spawn.py``: bounded in time, a hang fails
+the test). The workers compare against a single-process model computed in the worker
 itself (same seeds), so the parent only collects verdicts.
 """
-import datetime
-import queue
-import socket
-import time
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
-if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+from _spawn import WORLD, gloo_available, run
+from _spawn import check as _check
+from _spawn import close as _close
+from _spawn import failed as _failed
+
+if not gloo_available():
     pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
 
-WORLD = 2
-DEADLINE = 55.0  # seconds for a whole test (start-up of two interpreters included)
 BATCH = 8
-
-
-# ----------------------------------------------------------------------------- harness
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, port, scenario, results):
-    """Child process: run ``scenario(rank)`` in a gloo group; put ``(rank, error, checks)``."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    checks, error = [], None
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-            timeout=datetime.timedelta(seconds=30),
-        )
-        SCENARIOS[scenario](rank, checks)
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        error = traceback.format_exc()
-    results.put((rank, error, checks))
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001
-        pass
-
-
-def _run(scenario: str) -> dict:
-    """Run ``scenario`` on two ranks; return ``{rank: checks}`` or fail with the reasons."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, port, scenario, results), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    start, got = time.monotonic(), {}
-    try:
-        while len(got) < WORLD:
-            left = DEADLINE - (time.monotonic() - start)
-            if left <= 0:
-                break
-            try:
-                rank, error, checks = results.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and results.empty():
-                    break
-                continue
-            got[rank] = (error, checks)
-    finally:
-        for p in procs:
-            p.join(timeout=max(0.5, min(5.0, DEADLINE - (time.monotonic() - start))))
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-    missing = [r for r in range(WORLD) if r not in got]
-    if missing:
-        pytest.fail(f"{scenario}: rank(s) {missing} gave no result within {DEADLINE:.0f} s "
-                    f"(hang or crash; exit codes {[p.exitcode for p in procs]})")
-    errors = {r: e for r, (e, _) in got.items() if e}
-    if errors:
-        pytest.fail(f"{scenario}: " + "\n".join(f"rank {r}:\n{e}" for r, e in errors.items()))
-    return {r: checks for r, (_, checks) in got.items()}
-
-
-def _failed(per_rank: dict) -> list:
-    return [f"rank {r}: {name}: {msg}" for r, checks in per_rank.items()
-            for name, ok, msg in checks if not ok]
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -116,14 +39,6 @@ def _loss(out, y):
     # The mean over each rank's half; DDP averages the ranks' gradients, so the result is the
     # gradient of the mean over the full batch.
     return nn.functional.mse_loss(out, y)
-
-
-def _check(checks, name, ok, msg=""):
-    checks.append((name, bool(ok), msg))
-
-
-def _close(a, b) -> bool:
-    return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def _train(call, model, x, y, steps=2):
@@ -298,17 +213,11 @@ def scenario_norm_and_before_wrapping(rank, checks):
     checks.extend(("before: " + n, ok, m) for n, ok, m in before)
 
 
-SCENARIOS = {
-    "norm_and_before_wrapping": scenario_norm_and_before_wrapping,
-    "after_wrapping": scenario_after_wrapping,
-}
-
-
 # ----------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def norm_and_before_wrapping():
     """One pair of processes for (a) and (b): starting interpreters dominates the cost."""
-    return _run("norm_and_before_wrapping")
+    return run(scenario_norm_and_before_wrapping)
 
 
 def _part(per_rank, prefix):
@@ -328,5 +237,5 @@ def test_declarations_and_contexts_before_wrapping(norm_and_before_wrapping):
 
 
 def test_changing_the_trained_set_after_wrapping_is_refused_or_handled():
-    per_rank = _run("after_wrapping")
+    per_rank = run(scenario_after_wrapping)
     assert not _failed(per_rank), "\n".join(_failed(per_rank))

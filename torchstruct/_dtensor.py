@@ -28,7 +28,20 @@ try:
 except ImportError:  # a torch without distributed support: no DTensor can exist
     DTensor = None
 
-__all__ = ["any_dtensor", "local", "locals_", "global_norm", "mask_problem"]
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:
+    try:  # torch < 2.6
+        from torch.distributed._composable.fsdp import FSDPModule
+    except ImportError:
+        FSDPModule = None
+
+__all__ = ["any_dtensor", "local", "locals_", "global_norm", "mask_problem", "sharded_by_fsdp"]
+
+
+def sharded_by_fsdp(model: torch.nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``model`` or one of its submodules."""
+    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def any_dtensor(tensors: Sequence[Optional[torch.Tensor]]) -> bool:

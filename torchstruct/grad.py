@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import _dtensor
 from . import tree as _tree
 from .declare import trainable_parameters
 from .select import index, select
@@ -40,6 +41,13 @@ def _asked(model: nn.Module, wrt) -> Pairs:
     """The parameters whose gradients are asked for: ``wrt``'s selection, or the trainable ones."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module as model, got {type(model).__name__}")
+    if _dtensor.sharded_by_fsdp(model):
+        raise RuntimeError(
+            "structural_grad / value_and_grad: the model is sharded with FSDP2's fully_shard, "
+            "which gathers parameters and reduce-scatters gradients in its own backward hooks; "
+            "torch.autograd.grad bypasses them. Call loss.backward() and take the sharded "
+            "gradients as a tree with ts.grad_tree(model)."
+        )
     trainable = list(trainable_parameters(model))  # also attaches the model
     return trainable if wrt is None else select(model, wrt)
 
