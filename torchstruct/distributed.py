@@ -18,6 +18,10 @@ Declarations and contexts applied *before* wrapping, contexts that leave the syn
 it is, and the block-local ``stop_gradient``/``constant``/``swap`` (they change no flag) are
 always fine. ``global_norm`` and ``clip_by_global_norm`` on a DDP model read the gradients after
 DDP averaged them, so they give the global answer on every rank.
+
+**FSDP2** (``fully_shard``) needs no guard: it copies the sharded parameters' flags to the
+gathered ones at every forward, so what trains may change between steps. Its DTensor
+parameters and gradients are handled where the ops meet the kernels (``torchstruct._dtensor``).
 """
 from __future__ import annotations
 
