@@ -538,3 +538,51 @@ def test_backward_under_declaration_gives_no_grad_to_frozen():
     m(torch.randn(3, 4)).sum().backward()
     assert m.head.weight.grad is not None
     assert all(p.grad is None for p in m.encoder.parameters())
+
+
+# ----------------------------------------------------------------------------- unregistered swaps
+def _swap_in_copy(module, name):
+    """Put a copy of a parameter in place the way FSDP2's fully_shard does: a new object with the
+    same flag, written into the parameter dict directly (no registration hook fires)."""
+    old = module._parameters[name]
+    module._parameters[name] = nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
+    return module._parameters[name]
+
+
+def test_context_left_after_an_unregistered_swap_restores_the_new_parameter():
+    m = Net()
+    with ts.freeze_except(m, "head"):
+        new = _swap_in_copy(m.encoder[0], "weight")
+        assert new.requires_grad is False
+        assert "encoder.0.weight" not in trainable_paths(m)
+        assert any(p is new for _, p in declare.index(m))
+    assert new.requires_grad is True  # the copy is restored, not the object it replaced
+    assert all(flags(m).values())
+
+
+def test_trainable_parameters_see_an_unregistered_swap():
+    m = Net()
+    ts.attach(m)
+    new = _swap_in_copy(m.head, "bias")
+    assert any(p is new for _, p in ts.trainable_parameters(m))
+    with ts.freeze(m, "head"):
+        assert new.requires_grad is False
+    assert new.requires_grad is True
+
+
+def test_a_new_parameter_at_a_frozen_path_keeps_its_own_flag():
+    """Only a copy (the flag torchstruct last wrote there) inherits the starting flag."""
+    m = Net()
+    m.head.weight.requires_grad_(False)  # frozen by hand: the starting flag is False
+    ts.attach(m)
+    m.head._parameters["weight"] = nn.Parameter(torch.zeros_like(m.head.weight))  # trains
+    with ts.freeze(m, "encoder"):
+        assert m.head.weight.requires_grad is True
+    assert m.head.weight.requires_grad is True
+    # a copy of a hand-frozen parameter stays frozen
+    m.head.weight.requires_grad_(False)
+    ts.attach(m)
+    _swap_in_copy(m.head, "weight")
+    with ts.freeze(m, "encoder"):
+        pass
+    assert m.head.weight.requires_grad is False
