@@ -25,8 +25,12 @@ from ._reference import combine_norms
 try:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
-except ImportError:  # a torch without distributed support: no DTensor can exist
-    DTensor = None
+except ImportError:
+    try:  # torch < 2.5
+        import torch.distributed as dist
+        from torch.distributed._tensor import DTensor, Replicate
+    except ImportError:  # a torch without distributed support: no DTensor can exist
+        DTensor = None
 
 try:
     from torch.distributed.fsdp import FSDPModule
