@@ -7,6 +7,9 @@
   the same run: ``x.mul_(1.0)`` in place (reads + writes every byte) or
   ``y.copy_(x)`` on a large tensor.
 * ``machine_description``: torch version, CPU model, cores / GPU, for result files.
+* ``TinyGPT``, ``token_batch``, ``lm_loss``: a small GPT-like model and its data, for the
+  benchmarks of whole training steps; ``torch_adamw``: torch's fused AdamW (foreach where
+  fused is unsupported).
 """
 from __future__ import annotations
 
@@ -113,3 +116,78 @@ def machine_description(device="cpu") -> str:
 
 def bytes_of(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ----------------------------------------------------------------------------- a small GPT
+class TinyGPT(torch.nn.Module):
+    """A pre-norm decoder-only transformer (GPT-2 layout, untied head), for step benchmarks.
+
+    ``TinyGPT()`` (6 blocks, d_model 256, 4 heads, MLP 1024, vocab 4096, context 64) has 6.9M
+    parameters in 78 tensors.
+    """
+
+    def __init__(self, layers: int = 6, d: int = 256, heads: int = 4, vocab: int = 4096,
+                 seq: int = 64) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.heads, self.seq, self.vocab = heads, seq, vocab
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(_GPTBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens) + self.pos[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class _GPTBlock(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
+                   .permute(2, 0, 3, 1, 4))
+        att = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+def token_batch(step: int, rank: int, batch: int, seq: int, vocab: int):
+    """``(inputs, targets)`` of random tokens, the same for a given ``(step, rank)``."""
+    g = torch.Generator().manual_seed(1_000_003 * rank + step)
+    tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                             targets.reshape(-1))
+
+
+def torch_adamw(params, lr: float, **kwargs):
+    """``(torch.optim.AdamW(fused=True), "fused")``, or foreach where fused is unsupported."""
+    params = list(params)
+    try:
+        return torch.optim.AdamW(params, lr=lr, fused=True, **kwargs), "fused"
+    except (RuntimeError, ValueError, TypeError):
+        return torch.optim.AdamW(params, lr=lr, foreach=True, **kwargs), "foreach"
+
+
+def paired_ratios(numerators, denominators):
+    """``(median, first quartile, third quartile)`` of the per-round ratios ``a_i / b_i`` of two
+    interleaved series: a spread that shows how much of a ratio the machine's noise can move."""
+    ratios = sorted(a / b for a, b in zip(numerators, denominators))
+    if len(ratios) < 2:
+        return ratios[0], ratios[0], ratios[0]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return statistics.median(ratios), q1, q3

@@ -1,5 +1,7 @@
 """A training step (forward, backward, ts.clip_by_global_norm, ts.optim.AdamW.step) with the
-model compiled on CPU gives the eager result, and the library's ops trace without graph breaks."""
+model compiled on CPU gives the eager result, and the library's ops trace without graph breaks;
+the whole step function compiled, and ``torch.compile(opt.step)`` alone, give it too (two
+limitations of the latter are kept as strict xfails)."""
 import pytest
 import torch
 from torch import nn
@@ -51,3 +53,166 @@ def test_library_ops_trace_without_graph_breaks():
     assert explained.graph_break_count == 0, explained.break_reasons
     norm, scaled = torch.compile(step, fullgraph=True, backend="aot_eager")(grads)
     torch.testing.assert_close(norm, torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])))
+
+
+# ----------------------------------------------------------------------------- the whole step
+# The whole step function -- zero_grad, forward, backward, ts.clip_by_global_norm (or the clip
+# folded into the optimizer), ts.optim.AdamW.step -- under torch.compile. Dynamo breaks the graph
+# at zero_grad and at backward(); clip and the optimizer step are traced into one graph after
+# the backward. The frozen part is decided by ts.freeze_except; in the first case it is lifted
+# mid-run and the compiled step must follow, exactly as eager does (see the xfail below for
+# what happens when nothing but the optimizer reads the flags).
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(),
+                         nn.Linear(16, 4))
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)) for _ in range(n)]
+
+
+def _make_step(model, folded):
+    # All parameters go to the optimizer: the frozen ones are skipped at step time.
+    if folded:
+        opt = ts.optim.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
+    else:
+        opt = ts.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if folded:
+            opt.step()
+            return loss.detach(), opt.last_grad_norm
+        norm = ts.clip_by_global_norm(model, 0.5)
+        opt.step()
+        return loss.detach(), norm
+
+    return opt, step
+
+
+def _run_steps(model, step, batches, frozen_steps):
+    """``frozen_steps`` steps with only layers 2 and 4 trainable, then the rest unfrozen."""
+    out = []
+    with ts.freeze_except(model, "2", "4"):
+        for x, y in batches[:frozen_steps]:
+            out.append(tuple(t.clone() for t in step(x, y)))
+        frozen_after = (model[0].weight.detach().clone(), model[0].weight.grad)
+    for x, y in batches[frozen_steps:]:
+        out.append(tuple(t.clone() for t in step(x, y)))
+    return out, frozen_after
+
+
+def _assert_same_state(got_model, got_opt, want_model, want_opt, tol):
+    """Parameters and optimizer state (step, exp_avg, exp_avg_sq) equal, entry for entry."""
+    for (name, a), b in zip(got_model.named_parameters(), want_model.parameters()):
+        torch.testing.assert_close(a.detach(), b.detach(), **tol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        sa, sb = got_opt.state.get(a, {}), want_opt.state.get(b, {})
+        assert sa.keys() == sb.keys(), name
+        for key in sb:
+            torch.testing.assert_close(sa[key], sb[key], **tol,
+                                       msg=lambda m, n=name, k=key: f"{n} {k}: {m}")
+
+
+@pytest.mark.parametrize(
+    "backend,folded,frozen_steps",
+    [("inductor", False, 4), ("aot_eager", True, 6)],
+    ids=["inductor-clip_by_global_norm-unfrozen_mid_run", "aot_eager-max_grad_norm-frozen"])
+def test_compiled_whole_step_equals_eager(backend, folded, frozen_steps):
+    torch._dynamo.reset()
+    batches = _batches(6)
+    eager, compiled = _mlp(), _mlp()
+    init0 = eager[0].weight.detach().clone()
+    want_opt, want_step = _make_step(eager, folded)
+    got_opt, got_step = _make_step(compiled, folded)
+    want, want_frozen = _run_steps(eager, want_step, batches, frozen_steps)
+    got, got_frozen = _run_steps(compiled, torch.compile(got_step, backend=backend), batches,
+                                 frozen_steps)
+    torch._dynamo.reset()
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for i, ((loss_g, norm_g), (loss_w, norm_w)) in enumerate(zip(got, want)):
+        torch.testing.assert_close(loss_g, loss_w, **tol, msg=lambda m, i=i: f"loss {i}: {m}")
+        torch.testing.assert_close(norm_g, norm_w, **tol, msg=lambda m, i=i: f"norm {i}: {m}")
+    # While frozen, layer 0 got no gradient, no state, and stayed bitwise unchanged.
+    for weight, grad in (want_frozen, got_frozen):
+        assert grad is None
+        assert torch.equal(weight, init0)
+    if frozen_steps < len(batches):
+        # After the freeze was lifted, layer 0 trained, compiled as eager: the guards followed.
+        assert not torch.equal(compiled[0].weight.detach(), init0)
+        assert got_opt.state[compiled[0].weight]["step"].item() == len(batches) - frozen_steps
+    else:
+        assert compiled[0].weight not in got_opt.state
+    assert got_opt.state[compiled[4].weight]["step"].item() == len(batches)
+    _assert_same_state(compiled, got_opt, eager, want_opt, tol)
+
+
+def test_compiled_optimizer_step_alone_equals_eager():
+    """``torch.compile(opt.step)`` alone (the clip folded in), the gradients computed eagerly,
+    a frozen part included: parameters and state equal eager's."""
+    torch._dynamo.reset()
+    batches = _batches(4)
+    eager, compiled = _mlp(), _mlp()
+    want_opt = ts.optim.AdamW(eager.parameters(), lr=1e-2, max_grad_norm=0.5)
+    got_opt = ts.optim.AdamW(compiled.parameters(), lr=1e-2, max_grad_norm=0.5)
+    got_step = torch.compile(got_opt.step, backend="inductor")
+    with ts.freeze_except(eager, "4"), ts.freeze_except(compiled, "4"):
+        for x, y in batches:
+            for model, opt, step in ((eager, want_opt, want_opt.step),
+                                     (compiled, got_opt, got_step)):
+                opt.zero_grad(set_to_none=True)
+                nn.functional.mse_loss(model(x), y).backward()
+                step()
+    torch._dynamo.reset()
+    assert set(got_opt.state) == {compiled[4].weight, compiled[4].bias}
+    _assert_same_state(compiled, got_opt, eager, want_opt, dict(rtol=1e-5, atol=1e-6))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "torch.compile(opt.step) drops the step's attribute writes on the optimizer: dynamo does "
+    "not replay setattr on torch.optim.Optimizer instances (pytorch/pytorch#171590), so "
+    "opt.last_grad_norm keeps its old value. Read it inside the compiled function instead "
+    "(the whole-step test above returns it from there and matches eager)."))
+def test_compiled_optimizer_step_sets_last_grad_norm():
+    torch._dynamo.reset()
+    w = nn.Parameter(torch.ones(3))
+    opt = ts.optim.AdamW([w], lr=0.1, max_grad_norm=0.5)
+    step = torch.compile(opt.step, backend="aot_eager")
+    w.grad = torch.full((3,), 2.0)
+    step()
+    torch._dynamo.reset()
+    assert opt.last_grad_norm is not None
+    torch.testing.assert_close(opt.last_grad_norm, torch.tensor(12.0).sqrt())
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "torch.compile(opt.step) does not follow requires_grad changes: dynamo guards the "
+    "parameters reached through an optimizer's param_groups by identity only (no TENSOR_MATCH, "
+    "so no requires_grad guard), and MaskedOptimizer._plan's `not p.requires_grad` test is "
+    "baked into the compiled step. A parameter unfrozen after compilation is never stepped; "
+    "one frozen after compilation with a stale .grad is stepped. (torch.optim never reads "
+    "requires_grad; dynamo adds its .grad-is-None guards only through Optimizer._init_group.)"))
+@pytest.mark.parametrize("change", ["unfreeze", "freeze_with_stale_grad"])
+def test_compiled_optimizer_step_follows_requires_grad_changes(change):
+    def run(compiled):
+        torch._dynamo.reset()
+        w0, w1 = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+        opt = ts.optim.AdamW([w0, w1], lr=0.1)
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        w0.requires_grad_(change != "unfreeze")
+        for _ in range(2):  # two steps: the state exists, no more recompilation for it
+            w0.grad, w1.grad = torch.ones(2), torch.ones(2)
+            step()
+        w0.requires_grad_(change == "unfreeze")
+        w0.grad, w1.grad = torch.ones(2), torch.ones(2)
+        step()
+        torch._dynamo.reset()
+        return w0.detach(), w1.detach()
+
+    for got, want in zip(run(compiled=True), run(compiled=False)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
