@@ -1,7 +1,7 @@
 """A training step (forward, backward, ts.clip_by_global_norm, ts.optim.AdamW.step) with the
 model compiled on CPU gives the eager result, and the library's ops trace without graph breaks;
-the whole step function compiled, and ``torch.compile(opt.step)`` alone, give it too (two
-limitations of the latter are kept as strict xfails)."""
+the whole step function compiled, and ``torch.compile(opt.step)`` alone, give it too, also when
+what trains changes after compilation."""
 import pytest
 import torch
 from torch import nn
@@ -58,10 +58,9 @@ def test_library_ops_trace_without_graph_breaks():
 # ----------------------------------------------------------------------------- the whole step
 # The whole step function -- zero_grad, forward, backward, ts.clip_by_global_norm (or the clip
 # folded into the optimizer), ts.optim.AdamW.step -- under torch.compile. Dynamo breaks the graph
-# at zero_grad and at backward(); clip and the optimizer step are traced into one graph after
-# the backward. The frozen part is decided by ts.freeze_except; in the first case it is lifted
-# mid-run and the compiled step must follow, exactly as eager does (see the xfail below for
-# what happens when nothing but the optimizer reads the flags).
+# at zero_grad and at backward(), and around the optimizer's plan, which runs eagerly (see the
+# requires_grad test below). The frozen part is decided by ts.freeze_except; in the first case
+# it is lifted mid-run and the compiled step must follow, exactly as eager does.
 
 def _mlp():
     torch.manual_seed(0)
@@ -173,12 +172,9 @@ def test_compiled_optimizer_step_alone_equals_eager():
     _assert_same_state(compiled, got_opt, eager, want_opt, dict(rtol=1e-5, atol=1e-6))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.compile(opt.step) drops the step's attribute writes on the optimizer: dynamo does "
-    "not replay setattr on torch.optim.Optimizer instances (pytorch/pytorch#171590), so "
-    "opt.last_grad_norm keeps its old value. Read it inside the compiled function instead "
-    "(the whole-step test above returns it from there and matches eager)."))
 def test_compiled_optimizer_step_sets_last_grad_norm():
+    """Dynamo does not replay attribute writes on optimizers (pytorch/pytorch#171590); the
+    norm is recorded outside the compiled code."""
     torch._dynamo.reset()
     w = nn.Parameter(torch.ones(3))
     opt = ts.optim.AdamW([w], lr=0.1, max_grad_norm=0.5)
@@ -190,15 +186,11 @@ def test_compiled_optimizer_step_sets_last_grad_norm():
     torch.testing.assert_close(opt.last_grad_norm, torch.tensor(12.0).sqrt())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.compile(opt.step) does not follow requires_grad changes: dynamo guards the "
-    "parameters reached through an optimizer's param_groups by identity only (no TENSOR_MATCH, "
-    "so no requires_grad guard), and MaskedOptimizer._plan's `not p.requires_grad` test is "
-    "baked into the compiled step. A parameter unfrozen after compilation is never stepped; "
-    "one frozen after compilation with a stale .grad is stepped. (torch.optim never reads "
-    "requires_grad; dynamo adds its .grad-is-None guards only through Optimizer._init_group.)"))
 @pytest.mark.parametrize("change", ["unfreeze", "freeze_with_stale_grad"])
 def test_compiled_optimizer_step_follows_requires_grad_changes(change):
+    """Dynamo guards the parameters it reaches through param_groups by identity only, so a plan
+    traced into the compiled step would bake the flags in (an unfrozen parameter never stepped,
+    a frozen one with a stale .grad stepped); the plan runs eagerly and the rest resumes on it."""
     def run(compiled):
         torch._dynamo.reset()
         w0, w1 = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))

@@ -165,6 +165,10 @@ class MaskedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: param group {index}: lr must be >= 0, "
                              f"got {group['lr']!r}")
 
+    # Eager also under torch.compile: dynamo guards the parameters it reaches through
+    # param_groups by identity only, so flags read in a compiled plan would be baked in. The
+    # compiled rest of the step resumes on the plan and is guarded on it.
+    @torch.compiler.disable
     def _plan(self) -> List[tuple]:
         """[(group, params)] of what this step updates; raises (before any write)
         on bad input."""
@@ -240,7 +244,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 clip_coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
             else:
                 total = torch.zeros(())
-            self.last_grad_norm = total
+            self._remember_norm(total)
 
         if found_inf is not None and found_inf.device.type == "cpu":
             if found_inf.item() != 0:
@@ -252,6 +256,10 @@ class MaskedOptimizer(torch.optim.Optimizer):
             masks = [self._mask_for(p) for p in params]
             self._update(group, params, grads, masks, clip_coef, grad_scale, found_inf)
         return loss
+
+    @torch.compiler.disable  # dynamo does not replay attribute writes on optimizers
+    def _remember_norm(self, total: torch.Tensor) -> None:
+        self.last_grad_norm = total
 
     def _mask_for(self, p):
         mask = self.masks.get(p)
