@@ -22,51 +22,51 @@ import torch
 
 from ._reference import combine_norms
 
-try:
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Replicate
-except ImportError:
-    try:  # torch < 2.5
-        import torch.distributed as dist
-        from torch.distributed._tensor import DTensor, Replicate
-    except ImportError:  # a torch without distributed support: no DTensor can exist
-        DTensor = None
+import sys
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-except ImportError:
-    try:  # torch < 2.6
-        from torch.distributed._composable.fsdp import FSDPModule
-    except ImportError:
-        FSDPModule = None
+# Nothing is imported from torch.distributed here (importing DTensor costs about a second):
+# while the module that defines a class is not loaded, no object of that class exists.
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # torch >= 2.5, older
+_FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")  # >= 2.6, older
 
 __all__ = ["any_dtensor", "local", "locals_", "global_norm", "mask_problem", "sharded_by_fsdp"]
 
 
+def _loaded(modules: tuple, name: str):
+    for module in modules:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None:
+            return cls
+    return None
+
+
+def _dtensor_type():
+    return _loaded(_DTENSOR_MODULES, "DTensor")
+
+
 def sharded_by_fsdp(model: torch.nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to ``model`` or one of its submodules."""
-    return FSDPModule is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+    fsdp_module = _loaded(_FSDP_MODULES, "FSDPModule")
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules())
 
 
 def any_dtensor(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
     """Whether any of ``tensors`` is a DTensor."""
-    return DTensor is not None and any(isinstance(t, DTensor) for t in tensors)
-
-
-def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """This rank's local tensor of a DTensor (sharing its storage); anything else as it is."""
-    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+    cls = _dtensor_type()
+    return cls is not None and any(isinstance(t, cls) for t in tensors)
 
 
 def locals_(tensors: Sequence[Optional[torch.Tensor]]) -> list:
-    """``local`` of each element."""
-    return [local(t) for t in tensors]
+    """This rank's local tensor (sharing its storage) of each DTensor; anything else as it is."""
+    cls = _dtensor_type()
+    return [t.to_local() if isinstance(t, cls) else t for t in tensors] if cls else list(tensors)
 
 
-def _without_partial(t: "DTensor") -> "DTensor":
+def _without_partial(t):
     if not any(pl.is_partial() for pl in t.placements):
         return t
-    placements = [Replicate() if pl.is_partial() else pl for pl in t.placements]
+    replicate = _loaded(_DTENSOR_MODULES, "Replicate")
+    placements = [replicate() if pl.is_partial() else pl for pl in t.placements]
     return t.redistribute(t.device_mesh, placements)
 
 
@@ -75,28 +75,31 @@ def global_norm(
 ) -> torch.Tensor:
     """The ``p``-norm of all elements of ``tensors`` (DTensors and plain tensors, the plain
     ones taken as the same on every rank); ``local_norm(list)`` is the norm of plain tensors."""
+    import torch.distributed as dist  # loaded: a DTensor exists
+
+    dtensor = _dtensor_type()
     groups: Dict[object, List[torch.Tensor]] = {}
     for t in tensors:
         key = None
-        if isinstance(t, DTensor):
+        if isinstance(t, dtensor):
             t = _without_partial(t)
             dims = tuple(i for i, pl in enumerate(t.placements) if pl.is_shard())
             key = (t.device_mesh, dims) if dims else None
             t = t.to_local()
         groups.setdefault(key, []).append(t)
-    device = local(tensors[0]).device
+    device = locals_(tensors[:1])[0].device
     norms = []
     for key, part in groups.items():
         norm = local_norm(part)
         if key is not None:
             mesh, dims = key
             for dim in dims:
-                norm = _gather_and_combine(norm, p, mesh.get_group(dim))
+                norm = _gather_and_combine(dist, norm, p, mesh.get_group(dim))
         norms.append(norm)
     return norms[0] if len(norms) == 1 else combine_norms(norms, p, device)
 
 
-def _gather_and_combine(norm: torch.Tensor, p: float, group) -> torch.Tensor:
+def _gather_and_combine(dist, norm: torch.Tensor, p: float, group) -> torch.Tensor:
     """The norm over the ranks of ``group``, each holding the norm of its own elements."""
     mine = norm.reshape(1).contiguous()
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
@@ -106,11 +109,12 @@ def _gather_and_combine(norm: torch.Tensor, p: float, group) -> torch.Tensor:
 
 def mask_problem(param: torch.Tensor, mask: torch.Tensor) -> Optional[str]:
     """Why ``mask`` cannot mask ``param`` elementwise when either is a DTensor, or None."""
-    if DTensor is None or not (isinstance(param, DTensor) or isinstance(mask, DTensor)):
+    dtensor = _dtensor_type()
+    if dtensor is None or not (isinstance(param, dtensor) or isinstance(mask, dtensor)):
         return None
-    if not isinstance(param, DTensor):
+    if not isinstance(param, dtensor):
         return "is a DTensor but the parameter is not"
-    if not isinstance(mask, DTensor):
+    if not isinstance(mask, dtensor):
         return ("is a plain tensor but the parameter is a DTensor: shard the mask like it, "
                 "torch.distributed.tensor.distribute_tensor(mask, p.device_mesh, p.placements)")
     if mask.device_mesh != param.device_mesh or tuple(mask.placements) != tuple(param.placements):

@@ -34,6 +34,7 @@ here that calls ``_per_device(name, tensors, args, validate)``.
 """
 
 import contextlib
+import functools
 import os
 import warnings
 from typing import Callable, Dict, Iterator, List, Sequence, Tuple
@@ -160,6 +161,21 @@ def _is_compiling() -> bool:
         return torch.compiler.is_compiling()
     except AttributeError:  # older spelling
         return torch._dynamo.is_compiling()
+
+
+def run_eagerly(fn):
+    """``fn``, run eagerly also inside ``torch.compile`` (a graph break there). The wrapper that
+    makes it so is built at the first call: importing ``torch._dynamo`` costs about a second,
+    which ``import torchstruct`` does not pay."""
+    disabled = []
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))
+        return disabled[0](*args, **kwargs)
+
+    return call
 
 
 def _impl(name: str, device: torch.device, tensors: Sequence[torch.Tensor]):

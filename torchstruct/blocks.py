@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._ops import run_eagerly
 from .contexts import _Context
 from .select import _closest, index, select
 from .tree import to_flat_dict
@@ -93,13 +94,13 @@ class _SubstituteBlock(_Context):
     def _table(self) -> dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]]:
         raise NotImplementedError
 
-    @torch.compiler.disable
+    @run_eagerly
     def _apply(self) -> None:
         mode = _Substitute(self._table(), self.own)  # validates; raises before any change
         mode.__enter__()
         self._mode = mode
 
-    @torch.compiler.disable
+    @run_eagerly
     def _undo(self) -> None:
         self._mode.__exit__(None, None, None)
 
@@ -336,7 +337,7 @@ class constant(_Context):
     def __init__(self, model: nn.Module, *selectors, strict: bool = True) -> None:
         super().__init__(model, *selectors, strict=strict)
 
-    @torch.compiler.disable
+    @run_eagerly
     def _apply(self) -> None:
         model, *selectors = self._args
         _check_model("constant", model)
@@ -346,6 +347,6 @@ class constant(_Context):
         mode.__enter__()
         self._mode = mode
 
-    @torch.compiler.disable
+    @run_eagerly
     def _undo(self) -> None:
         self._mode.__exit__(None, None, None)

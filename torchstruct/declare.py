@@ -23,6 +23,7 @@ trainability runs). Declarations and active contexts still apply on top of it.
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -70,23 +71,32 @@ def _on_module_registered(module: nn.Module, name: str, _submodule) -> None:
 _module_mod.register_module_parameter_registration_hook(_bump)
 _module_mod.register_module_module_registration_hook(_on_module_registered)
 
-# The parameter objects of each module tree torchstruct last looked at (weakly), to notice
-# parameters put in place without a registration hook firing: FSDP2's ``fully_shard`` writes
-# ``module._parameters`` directly.
+# For each module tree torchstruct last looked at: the generation, its modules' parameter
+# dicts, and (weakly) the parameter objects in them. It notices parameters put in place without
+# a registration hook firing: FSDP2's ``fully_shard`` writes ``module._parameters`` directly.
 _trees: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _same_objects(refs: list, now: list) -> bool:
+    return len(refs) == len(now) and all(map(operator.is_, [r() for r in refs], now))
 
 
 def _notice_swaps(*modules: nn.Module | None) -> None:
     """Bump the generation when a tree's parameter objects changed since it was last seen
-    (or it is seen for the first time). Walks the tree: called by entry points, not hooks."""
+    (or it is seen for the first time). Called by entry points, not by the forward hook."""
     for module in modules:
         if module is None:
             continue
-        now = [p for m in module.modules() for p in m._parameters.values() if p is not None]
-        before = _trees.get(module)
-        if before is None or len(before) != len(now) or any(r() is not p for r, p in zip(before, now)):
-            _trees[module] = [weakref.ref(p) for p in now]
-            _bump()
+        seen = _trees.get(module)
+        fresh = seen is None or seen[0] != _generation[0]  # a module may have been registered
+        dicts = [m._parameters for m in module.modules()] if fresh else seen[1]
+        now = [p for d in dicts for p in d.values() if p is not None]
+        if seen is not None and _same_objects(seen[2], now):
+            if fresh:
+                _trees[module] = (_generation[0], dicts, seen[2])
+            continue
+        _bump()
+        _trees[module] = (_generation[0], dicts, [weakref.ref(p) for p in now])
 
 
 # ----------------------------------------------------------------------------- declarations

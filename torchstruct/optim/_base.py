@@ -168,7 +168,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
     # Eager also under torch.compile: dynamo guards the parameters it reaches through
     # param_groups by identity only, so flags read in a compiled plan would be baked in. The
     # compiled rest of the step resumes on the plan and is guarded on it.
-    @torch.compiler.disable
+    @_ops.run_eagerly
     def _plan(self) -> List[tuple]:
         """[(group, params)] of what this step updates; raises (before any write)
         on bad input."""
@@ -257,7 +257,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
             self._update(group, params, grads, masks, clip_coef, grad_scale, found_inf)
         return loss
 
-    @torch.compiler.disable  # dynamo does not replay attribute writes on optimizers
+    @_ops.run_eagerly  # dynamo does not replay attribute writes on optimizers
     def _remember_norm(self, total: torch.Tensor) -> None:
         self.last_grad_norm = total
 
