@@ -202,6 +202,16 @@ def scenario_optimizers(rank, checks):
                type(buffer).__name__ == "DTensor"
                and tuple(buffer.placements) == tuple(model[0].weight.placements))
 
+    # distributed checkpointing reads and restores the sharded state
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    saved = dcp.get_optimizer_state_dict(model, opt)
+    restored = ts.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    dcp.set_optimizer_state_dict(model, restored, saved)
+    _check(checks, "DCP state dict round trip",
+           all(torch.equal(_full(restored.state[p]["momentum_buffer"]),
+                           _full(opt.state[p]["momentum_buffer"])) for p in model.parameters()))
+
     # masks: a DTensor mask sharded like its parameter; a plain mask is refused, nothing written
     from torch.distributed.tensor import distribute_tensor
 
@@ -300,7 +310,7 @@ def _part(per_rank, prefix):
     return {r: [c for c in checks if c[0].startswith(prefix)] for r, checks in per_rank.items()}
 
 
-@pytest.mark.parametrize("prefix, at_least", [("norm: ", 19), ("place: ", 6), ("optim: ", 20)])
+@pytest.mark.parametrize("prefix, at_least", [("norm: ", 19), ("place: ", 6), ("optim: ", 21)])
 def test_sharded_numbers_equal_unsharded(numbers, prefix, at_least):
     per_rank = _part(numbers, prefix)
     assert all(len(c) >= at_least for c in per_rank.values()), {r: len(c) for r, c in per_rank.items()}
