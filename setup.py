@@ -57,7 +57,7 @@ def extensions():
         and not _flag("TORCHSTRUCT_NO_CUDA")
     )
 
-    sources = _sources("csrc/ops.cpp") + _sources("csrc/cpu/*.cpp")
+    sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
     # No -std flag: BuildExtension adds the standard this torch was built with.
     cxx = ["-O3"]
     link = []

@@ -48,14 +48,25 @@ TORCH_LIBRARY(torchstruct, m) {
   m.def("clip_by_global_norm_(Tensor(a!)[] grads, float max_norm, float norm_type) -> Tensor");
 }
 
+namespace torchstruct {
+PyObject* clip_grads(PyObject* self, PyObject* args);  // grads.cpp
+}
+
 namespace {
+
+PyMethodDef torchstruct_methods[] = {
+    {"clip_grads_", torchstruct::clip_grads, METH_VARARGS,
+     "clip_grads_(params, max_norm, norm_type): clip_by_global_norm_ of the params' .grad, "
+     "read in C++; None when the input needs the checked path."},
+    {nullptr, nullptr, 0, nullptr},
+};
 
 PyModuleDef torchstruct_module = {
     PyModuleDef_HEAD_INIT,
     "_C",
     "Compiled torchstruct kernels; importing registers torch.ops.torchstruct.*",
     -1,
-    nullptr,
+    torchstruct_methods,
 };
 
 }  // namespace

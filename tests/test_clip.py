@@ -606,3 +606,54 @@ def test_inference_tensor_outside_inference_mode_refused(backend):
     with torch.inference_mode():
         _ops.clip_by_global_norm_([g], 1.0, 2.0)
     torch.testing.assert_close(g, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=0.0)
+
+
+# ----------------------------------------------------------------------------- the C++ entry point
+@requires_compiled
+def test_list_of_parameters_takes_the_cpp_entry_and_matches_torch():
+    """Many small parameters: ``.grad`` read in C++; same norm and gradients as torch."""
+    ours = [make_param((1000,), seed=i) for i in range(300)]
+    ours[7].grad = None  # skipped, as torch skips it
+    theirs = [make_param((1000,), seed=i) for i in range(300)]
+    theirs[7].grad = None
+    with _ops.use_backend("compiled"), torch.no_grad():
+        got = _ops.clip_grads_of(ours, 0.5, 2.0)
+    want = clip_grad_norm_(theirs, 0.5)
+    assert got is not None  # the entry point applied
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for a, b in zip(ours, theirs):
+        if b.grad is None:
+            assert a.grad is None
+        else:
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    assert float(torch.stack([p.grad.norm() for p in ours if p.grad is not None]).norm()) == (
+        pytest.approx(0.5, rel=1e-5))
+
+
+@requires_compiled
+@pytest.mark.parametrize("case", ["not a tensor", "no gradient", "negative max_norm",
+                                  "a generator", "reference backend", "an int64 gradient"])
+def test_cpp_entry_declines_and_writes_nothing(case):
+    """Whatever the entry point does not handle goes to the checked path untouched."""
+    params = [make_param((5,), seed=1), make_param((3,), seed=2)]
+    before = [p.grad.clone() for p in params]
+    max_norm, backend = 0.1, "compiled"
+    if case == "not a tensor":
+        params = [params[0], "w"]
+    elif case == "no gradient":
+        for p in params:
+            p.grad = None
+    elif case == "negative max_norm":
+        max_norm = -1.0
+    elif case == "a generator":
+        params = (p for p in params)
+    elif case == "reference backend":
+        backend = "reference"
+    elif case == "an int64 gradient":
+        params.append(torch.zeros(2, dtype=torch.int64, requires_grad=False))
+        params[-1].grad = torch.ones(2, dtype=torch.int64)
+    with _ops.use_backend(backend), torch.no_grad():
+        assert _ops.clip_grads_of(params, max_norm, 2.0) is None
+    for p, b in zip([p for p in params if isinstance(p, torch.Tensor) and p.grad is not None],
+                    before):
+        assert torch.equal(p.grad, b)

@@ -417,6 +417,20 @@ def clip_by_global_norm_(
     return result
 
 
+def clip_grads_of(params, max_norm, norm_type):
+    """The fast path of ``clip_by_global_norm`` for a list or tuple of parameters: their
+    ``.grad`` read and clipped in C++ (``torchstruct._C.clip_grads_``), skipping ``None``;
+    returns the norm, or None when it does not apply or the input needs the checked path
+    (nothing has been written then). Call it under ``torch.no_grad()``."""
+    if (_backend != "compiled" or _is_compiling() or not isinstance(params, (list, tuple))
+            or not _KERNELS["clip_by_global_norm_"]):
+        return None
+    try:  # a device without a kernel is refused there, and explained by the checked path
+        return _C.clip_grads_(params, float(max_norm), float(norm_type))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
 # ---------------------------------------------------------------------------
 # fused optimizer steps (torchstruct.optim)
 # ---------------------------------------------------------------------------

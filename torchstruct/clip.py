@@ -140,5 +140,9 @@ def clip_by_global_norm(
     """
     del foreach  # always fused
     with torch.no_grad():
+        if not error_if_nonfinite:  # a list of parameters: .grad read in C++ (many small ones)
+            norm = _ops.clip_grads_of(params, max_norm, norm_type)
+            if norm is not None:
+                return norm
         grads = _grads_to_clip(params)
         return _ops.clip_by_global_norm_(grads, max_norm, norm_type, error_if_nonfinite)
