@@ -18,18 +18,18 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence
 
+import sys
+
 import torch
 
 from ._reference import combine_norms
-
-import sys
 
 # Nothing is imported from torch.distributed here (importing DTensor costs about a second):
 # while the module that defines a class is not loaded, no object of that class exists.
 _DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed._tensor")  # torch >= 2.5, older
 _FSDP_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")  # >= 2.6, older
 
-__all__ = ["any_dtensor", "local", "locals_", "global_norm", "mask_problem", "sharded_by_fsdp"]
+__all__ = ["any_dtensor", "locals_", "global_norm", "mask_problem", "sharded_by_fsdp"]
 
 
 def _loaded(modules: tuple, name: str):
