@@ -16,9 +16,8 @@ The result is a plain tensor on each rank, the same value everywhere.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
-
 import sys
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
