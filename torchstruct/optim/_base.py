@@ -47,7 +47,8 @@ def _number(value, what: str) -> float:
 
 
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+    sa, sb = a.stride(), b.stride()
+    return sa == sb or all(n <= 1 or x == y for n, x, y in zip(a.shape, sa, sb))
 
 
 def _like(p: torch.Tensor, t: torch.Tensor, dtype=None) -> torch.Tensor:
@@ -94,6 +95,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Optional[torch.Tensor] = None
         #: element masks, {param: bool tensor}; see set_mask
         self.masks: Dict[torch.Tensor, torch.Tensor] = {}
+        # ids of the parameters whose existing state was checked since construction or loading
+        self._checked_state: set = set()
         if masks:
             checked = {}
             for p, mask in dict(masks).items():
@@ -107,6 +110,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
         self.__dict__.setdefault("norm_type", 2.0)
         self.__dict__.setdefault("last_grad_norm", None)
         self.__dict__.setdefault("masks", {})
+        self._checked_state = set()  # loaded state: converted at its first step
         for group in self.param_groups:
             group.setdefault("maximize", False)
 
@@ -175,6 +179,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
         name = type(self).__name__
         compiled = _ops.backend() == "compiled"
         kernels = _ops._KERNELS.get(self._op, frozenset())
+        cpu_kernel = "cpu" in kernels
+        masks = self.masks
         seen = set()
         plan = []
         for index, group in enumerate(self.param_groups):
@@ -190,20 +196,25 @@ class MaskedOptimizer(torch.optim.Optimizer):
                         f"{name}: {self._label(p)} has a sparse gradient ({g.layout}); "
                         f"sparse gradients are not supported (densify them, or use "
                         f"torch.optim.SparseAdam)")
-                if p.dtype not in FLOAT_DTYPES:
-                    raise TypeError(f"{name}: {self._label(p)} has dtype {p.dtype}; supported "
+                dtype = p.dtype
+                if dtype not in FLOAT_DTYPES:
+                    raise TypeError(f"{name}: {self._label(p)} has dtype {dtype}; supported "
                                     f"are float32, float64, float16 and bfloat16")
-                if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
+                # get_device() and is_cpu: no torch.device object per tensor (the common case)
+                if (g.dtype != dtype or g.shape != p.shape or g.get_device() != p.get_device()
+                        or g.is_cpu != p.is_cpu or (not p.is_cpu and g.device != p.device)):
                     raise RuntimeError(
                         f"{name}: the gradient of {self._label(p)} has dtype {g.dtype}, shape "
                         f"{tuple(g.shape)} on {g.device}; expected the parameter's "
-                        f"{p.dtype}, {tuple(p.shape)} on {p.device}")
-                if (compiled and p.device.type not in kernels and p.device.type != "meta"):
+                        f"{dtype}, {tuple(p.shape)} on {p.device}")
+                if (compiled and not (p.is_cpu and cpu_kernel) and p.device.type not in kernels
+                        and p.device.type != "meta"):
                     raise RuntimeError(f"{name}: {self._label(p)} is on {p.device}. "
                                        + _ops._no_kernel_message(self._op, p.device))
-                mask = self.masks.get(p)
-                if mask is not None:
-                    self._check_mask(p, mask)
+                if masks:
+                    mask = masks.get(p)
+                    if mask is not None:
+                        self._check_mask(p, mask)
                 params.append(p)
             if params:
                 plan.append((group, params))
@@ -253,7 +264,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
 
         for group, params in plan:
             grads = [_like(p, p.grad) for p in params]
-            masks = [self._mask_for(p) for p in params]
+            masks = [self._mask_for(p) for p in params] if self.masks else [None] * len(params)
             self._update(group, params, grads, masks, clip_coef, grad_scale, found_inf)
         return loss
 
@@ -267,6 +278,15 @@ class MaskedOptimizer(torch.optim.Optimizer):
 
     def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf):
         raise NotImplementedError
+
+    def _first_check(self, p: torch.Tensor) -> bool:
+        """True the first time ``p``'s existing state is stepped since construction or loading
+        (``load_state_dict``, unpickling): the state may come from elsewhere and is converted
+        then. Afterwards it is the optimizer's own, and the kernels check it at every step."""
+        if id(p) in self._checked_state:
+            return False
+        self._checked_state.add(id(p))
+        return True
 
     @staticmethod
     def _state_like(p: torch.Tensor, t) -> torch.Tensor:

@@ -81,18 +81,18 @@ class AdamW(MaskedOptimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            else:  # state from load_state_dict may be elsewhere: convert once
+            elif self._first_check(p):  # state from load_state_dict may be elsewhere: convert
                 step = state["step"]
                 if (not isinstance(step, torch.Tensor) or step.dtype != torch.float32
                         or step.device != p.device):
                     state["step"] = torch.as_tensor(float(step), dtype=torch.float32).to(p.device)
-                state["exp_avg"] = self._state_like(p, state["exp_avg"])
-                state["exp_avg_sq"] = self._state_like(p, state["exp_avg_sq"])
+                for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+                    if key in state:
+                        state[key] = self._state_like(p, state[key])
             if amsgrad:
                 if "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros_like(
                         p, memory_format=torch.preserve_format)
-                state["max_exp_avg_sq"] = self._state_like(p, state["max_exp_avg_sq"])
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])

@@ -84,7 +84,8 @@ class SGD(MaskedOptimizer):
             if buf is None:
                 first.append(i)
             else:
-                state["momentum_buffer"] = self._state_like(p, buf)
+                if self._first_check(p):  # state from load_state_dict may be elsewhere: convert
+                    state["momentum_buffer"] = self._state_like(p, buf)
                 later.append(i)
         for i in first:
             self.state[params[i]]["momentum_buffer"] = torch.zeros_like(
