@@ -722,3 +722,31 @@ def test_cuda_grad_scaler_found_inf_on_device(backend):
         scaler.step(opt)
         scaler.update()
     assert_unchanged(net, opt, snap)
+
+
+def test_state_loaded_in_another_layout_is_converted_at_its_first_step():
+    """A checkpoint's state may be laid out differently from the parameter (here contiguous
+    against a transposed parameter): converted once at the first step, then stepped as torch
+    steps it."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4, 3).t())  # strides (1, 3)
+    p.grad = torch.randn(3, 4)
+    opt = tso.AdamW([p], lr=0.1)
+    opt.step()
+    saved = opt.state_dict()
+    for key in ("exp_avg", "exp_avg_sq"):
+        saved["state"][0][key] = saved["state"][0][key].contiguous()
+        assert saved["state"][0][key].stride() != p.stride()
+    ours, theirs = nn.Parameter(p.detach().clone().t().contiguous().t()), nn.Parameter(p.detach().clone())
+    resumed = tso.AdamW([ours], lr=0.1)
+    resumed.load_state_dict(copy.deepcopy(saved))
+    reference = torch.optim.AdamW([theirs], lr=0.1, foreach=False)
+    reference.load_state_dict(copy.deepcopy(saved))
+    for _ in range(2):
+        g = torch.randn(3, 4)
+        ours.grad, theirs.grad = g.clone(), g.clone()
+        resumed.step()
+        reference.step()
+        assert resumed.state[ours]["exp_avg"].stride() == ours.stride()
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(resumed.state[ours]["exp_avg_sq"], reference.state[theirs]["exp_avg_sq"])
