@@ -7,9 +7,8 @@
 // the gradients in C++ and calls the op unboxed. It handles only the plain case and returns None
 // for anything else (an element that is not a tensor, no gradient at all, input the kernel
 // refuses, a device other than CPU and CUDA, a tensor subclass such as DTensor): the caller then
-// takes the checked Python path,
-// which explains the problem. The kernels check every input before writing, so a refused call
-// has written nothing.
+// takes the checked Python path, which explains the problem. The kernels check every input
+// before writing, so a refused call has written nothing.
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -20,6 +20,7 @@ import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist  # loaded with torch; DTensor itself is not imported here
 
 from ._reference import combine_norms
 
@@ -74,8 +75,6 @@ def global_norm(
 ) -> torch.Tensor:
     """The ``p``-norm of all elements of ``tensors`` (DTensors and plain tensors, the plain
     ones taken as the same on every rank); ``local_norm(list)`` is the norm of plain tensors."""
-    import torch.distributed as dist  # loaded: a DTensor exists
-
     dtensor = _dtensor_type()
     groups: Dict[object, List[torch.Tensor]] = {}
     for t in tensors:
@@ -93,12 +92,12 @@ def global_norm(
         if key is not None:
             mesh, dims = key
             for dim in dims:
-                norm = _gather_and_combine(dist, norm, p, mesh.get_group(dim))
+                norm = _gather_and_combine(norm, p, mesh.get_group(dim))
         norms.append(norm)
     return norms[0] if len(norms) == 1 else combine_norms(norms, p, device)
 
 
-def _gather_and_combine(dist, norm: torch.Tensor, p: float, group) -> torch.Tensor:
+def _gather_and_combine(norm: torch.Tensor, p: float, group) -> torch.Tensor:
     """The norm over the ranks of ``group``, each holding the norm of its own elements."""
     mine = norm.reshape(1).contiguous()
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]

@@ -46,6 +46,11 @@ def _number(value, what: str) -> float:
         raise ValueError(f"{what} must be a number, got {value!r}") from None
 
 
+def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # is_cpu first: no torch.device object per tensor in the common case
+    return b.is_cpu if a.is_cpu else a.device == b.device
+
+
 def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     sa, sb = a.stride(), b.stride()
     return sa == sb or all(n <= 1 or x == y for n, x, y in zip(a.shape, sa, sb))
@@ -200,9 +205,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 if dtype not in FLOAT_DTYPES:
                     raise TypeError(f"{name}: {self._label(p)} has dtype {dtype}; supported "
                                     f"are float32, float64, float16 and bfloat16")
-                # get_device() and is_cpu: no torch.device object per tensor (the common case)
-                if (g.dtype != dtype or g.shape != p.shape or g.get_device() != p.get_device()
-                        or g.is_cpu != p.is_cpu or (not p.is_cpu and g.device != p.device)):
+                if g.dtype != dtype or g.shape != p.shape or not _same_device(p, g):
                     raise RuntimeError(
                         f"{name}: the gradient of {self._label(p)} has dtype {g.dtype}, shape "
                         f"{tuple(g.shape)} on {g.device}; expected the parameter's "
