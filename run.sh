@@ -37,9 +37,16 @@ PYEOF
   "$PY" -c "import torchstruct as ts; print('torchstruct', ts.__version__, 'backend:', ts.backend())"
 }
 
+# packages a job needs beyond the install (the plot); installed once, never torch
+need() {
+  local missing=()
+  for pkg in "$@"; do "$PY" -c "import $pkg" 2>/dev/null || missing+=("$pkg"); done
+  if [ ${#missing[@]} -gt 0 ]; then "$PY" -m pip install -q "${missing[@]}"; fi
+}
+
 case "${1:-}" in
-  example) setup; shift; exec "$PY" examples/finetune.py "$@" ;;
+  example) setup; shift; need matplotlib numpy; exec "$PY" examples/finetune.py "$@" ;;
   test)    setup; shift; TORCHSTRUCT_REQUIRE_COMPILED=${TORCHSTRUCT_REQUIRE_COMPILED:-1} exec "$PY" -m pytest "$@" ;;
-  bench)   setup; shift; "$PY" -m pip install -q -e ".[bench]"; exec "$PY" -m benchmarks "$@" ;;
+  bench)   setup; shift; need matplotlib numpy; exec "$PY" -m benchmarks "$@" ;;
   *) echo "usage: bash run.sh example|test|bench [args...]" >&2; exit 2 ;;
 esac
