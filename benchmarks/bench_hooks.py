@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
-from torchstruct.declare import _pre_forward
+from torchstruct.hooks import _pre_forward
 
 from .results import write_section
 

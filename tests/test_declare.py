@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
-from torchstruct import declare
+from torchstruct import declare, hooks
 
 
 def flags(model):
@@ -62,6 +62,8 @@ def test_trainable_method_may_list_own_parameters_and_return_any_iterable():
 
     m = Scaled()
     assert trainable_paths(m) == ["scale"]
+    assert all(flags(m).values())  # a read: nothing written
+    ts.attach(m)
     assert flags(m) == {"scale": True, "shift": False, "inner.weight": False, "inner.bias": False}
 
 
@@ -372,6 +374,9 @@ def test_manual_requires_grad_on_declared_frozen_parameter_is_overridden_by_decl
     ts.mark_trainable(m, "head")
     m.encoder[0].weight.requires_grad_(True)  # declarations still apply on top
     assert ts.is_trainable(m, "encoder.0.weight") is False
+    assert m.encoder[0].weight.requires_grad is True  # a read writes nothing
+    m(torch.randn(1, 4))  # an entry point that writes: (not the hook: the tree did not change)
+    ts.attach(m)
     assert m.encoder[0].weight.requires_grad is False
     # the manual True is its new starting flag: lifting the declaration keeps it on
     ts.mark_trainable(m, None)
@@ -447,13 +452,13 @@ def test_hook_does_not_rewalk_when_nothing_changed(monkeypatch):
     x = torch.randn(2, 4)
     m(x)  # settles anything pending
     calls = []
-    orig = declare.State.apply
+    orig = hooks.State.apply
 
     def counting(self):
         calls.append(1)
         return orig(self)
 
-    monkeypatch.setattr(declare.State, "apply", counting)
+    monkeypatch.setattr(hooks.State, "apply", counting)
     m(x)
     m(x)
     assert calls == []
@@ -472,8 +477,8 @@ def test_hook_does_not_rewalk_with_builtin_transformer(monkeypatch):
     x = torch.randn(2, 3, 8)
     m(x)
     calls = []
-    orig = declare.State.apply
-    monkeypatch.setattr(declare.State, "apply", lambda self: (calls.append(1), orig(self))[1])
+    orig = hooks.State.apply
+    monkeypatch.setattr(hooks.State, "apply", lambda self: (calls.append(1), orig(self))[1])
     m(x)
     assert calls == []
 

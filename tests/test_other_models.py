@@ -390,7 +390,7 @@ def test_lora_added_after_freeze_except_matching_selector_trains():
     torch.manual_seed(0)
     m = Net()
     m.l0 = LoRA(m.l0)  # one adapter exists, so the selector is not empty
-    ts.freeze_except(m, "*.lora_*")  # permanent
+    ctx = ts.freeze_except(m, "*.lora_*")  # permanent, until lifted
     try:
         assert _trained(m) == ["l0.lora_A", "l0.lora_B"]
         m.l1 = LoRA(m.l1)  # added afterwards: its lora_* train, its base stays frozen
@@ -399,9 +399,7 @@ def test_lora_added_after_freeze_except_matching_selector_trains():
         assert [p for p, _ in ts.trainable_parameters(m)] == [
             "l0.lora_A", "l0.lora_B", "l1.lora_A", "l1.lora_B"]
     finally:
-        for e in list(ts.declare._entries):
-            if e.scope() is m:
-                ts.declare.pop(e)
+        ctx.__exit__(None, None, None)
 
 
 def test_lora_added_after_freeze_except_not_matching_selector_is_frozen():

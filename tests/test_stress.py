@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
-from torchstruct import declare
+from torchstruct import _state as tstate
 
 CYCLES = 10_000
 STEPS = 1_000
@@ -55,7 +55,7 @@ def _flags(model):
 
 
 def _registry_sizes():
-    return len(declare._entries), len(declare._states)
+    return len(tstate.entries), len(tstate.live_states()), len(tstate.records)
 
 
 def _torch_function_modes():
@@ -189,9 +189,9 @@ def test_dropped_models_are_collected_and_registries_do_not_grow():
             pass
         gc.collect()
     assert created == 300 and len(alive) == 0, f"{len(alive)} of {created} models still alive"
-    entries, states = _registry_sizes()
-    assert entries <= sizes[0] and states <= sizes[1], (_registry_sizes(), sizes)
-    assert all(e.scope() is not None for e in declare._entries)
+    now = _registry_sizes()
+    assert all(n <= before for n, before in zip(now, sizes)), (now, sizes)
+    assert all(e.scope() is not None for e in tstate.entries)
     leaks.check()
 
 

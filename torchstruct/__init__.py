@@ -4,7 +4,9 @@ Every public name is re-exported here from the one module that defines it:
 
 - :mod:`.select`: selectors -> parameter sets;
 - :mod:`.tree`: nested-dict trees (``ts.tree.map``, ``ts.tree.flatten``, ...);
-- :mod:`.declare`: declarations, effective trainability, hooks;
+- :mod:`.declare`: declarations and effective trainability (read-only);
+- :mod:`.hooks`: ``attach``/``detach_hooks``, the hooks that write the flags;
+- :mod:`._state`: the one owner of process-wide state (locked, weak);
 - :mod:`.contexts`: ``freeze``, ``freeze_except``, ``unfreeze``;
 - :mod:`.blocks`: block-local ``stop_gradient``, ``constant``, ``swap``;
 - :mod:`.grad`: structural gradients; :mod:`.within`: ``within_gradient``;
@@ -18,8 +20,9 @@ from . import distributed, optim, tree
 from ._ops import backend
 from .blocks import *  # noqa: F401,F403
 from .clip import *  # noqa: F401,F403
-from .contexts import freeze, freeze_except, unfreeze
-from .declare import attach, detach_hooks, is_trainable, mark_trainable, trainable_parameters
+from .contexts import RestoredFlagsWarning, freeze, freeze_except, unfreeze
+from .declare import is_trainable, mark_trainable, trainable_parameters
+from .hooks import attach, detach_hooks
 from .grad import *  # noqa: F401,F403
 from .select import select
 from .summary import summary

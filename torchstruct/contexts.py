@@ -13,17 +13,121 @@ raises.
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+import warnings
 import weakref
+from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 from torch import nn
 
-from .declare import Entry, _drop_dead, pop, push
+from . import _state, hooks
+from .declare import selected_ids
 from .select import select
 
 __all__ = ["freeze", "freeze_except", "unfreeze"]
 
 
+# ----------------------------------------------------------------------------- the stack
+@dataclass(eq=False)
+class Entry:
+    """One active context: ``kind`` over ``selectors`` within ``scope``'s subtree."""
+
+    kind: str  # "freeze" | "freeze_except" | "unfreeze"
+    scope: weakref.ref
+    selectors: tuple
+    freeze_norm_stats: bool = True
+    registrations: int = 0  # the governing tree's registration count when entered
+
+    def fold(self, flags: dict[int, bool]) -> None:
+        """Fold this context into ``flags`` (parameter id -> flag), within its scope."""
+        scope = self.scope()
+        if scope is None:
+            return
+        ids = [id(p) for p in scope.parameters() if id(p) in flags]
+        if not ids:
+            return
+        chosen = selected_ids(scope, self.selectors)
+        for i in ids:
+            if self.kind == "freeze" and i in chosen:
+                flags[i] = False
+            elif self.kind == "freeze_except" and i not in chosen:
+                flags[i] = False
+            elif self.kind == "unfreeze" and i in chosen:
+                flags[i] = True
+
+
+def _drop_dead(_ref=None, entries: list = _state.entries) -> None:
+    """Forget the contexts of models that no longer exist (also a weakref callback, which may
+    run at interpreter exit, hence the list bound as a default)."""
+    entries[:] = [e for e in entries if e.scope() is not None]
+
+
+def _apply_around(entry: Entry, refuse: bool = True) -> list:
+    """Apply every state whose model shares a parameter with the entry's scope; the changes."""
+    scope = entry.scope()
+    if scope is None:
+        return []
+    governing = hooks.state_for(scope)
+    ids = {id(p) for p in scope.parameters()}
+    changes = []
+    for st in [governing] + [s for s in hooks.states_sharing(ids) if s is not governing]:
+        changes += st.apply(refuse)
+    return changes
+
+
+def push(entry: Entry) -> None:
+    """Activate a context and apply the flags it changes at once (or refuse: nothing changes)."""
+    with _state.LOCK:
+        _drop_dead()
+        scope = entry.scope()
+        entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
+        _state.entries.append(entry)
+        try:
+            _apply_around(entry)
+        except BaseException:
+            _state.entries.remove(entry)
+            _apply_around(entry, refuse=False)
+            raise
+
+
+def pop(entry: Entry) -> None:
+    """Deactivate a context (wherever it is in the stack) and restore the flags."""
+    with _state.LOCK:
+        _state.entries[:] = [e for e in _state.entries if e is not entry]
+        _drop_dead()
+        scope = entry.scope()
+        grown = scope is not None and hooks.state_for(scope).registrations != entry.registrations
+        changes = _apply_around(entry, refuse=False)
+    if grown:
+        _warn_undone(entry, [path for path, _, flag in changes if flag])
+
+
+def _warn_undone(entry: Entry, turned_on: list[str]) -> None:
+    """Leaving a block in which modules were added: a same-value ``requires_grad_(False)``
+    written inside it (``get_peft_model`` freezing the base model) cannot be told apart from
+    the block's own freezing, and is undone. Say so, naming the parameters."""
+    if not turned_on:
+        return
+    names = ", ".join(repr(p) for p in turned_on[:5])
+    more = f" and {len(turned_on) - 5} more" if len(turned_on) > 5 else ""
+    warnings.warn(
+        f"leaving ts.{entry.kind}: modules or parameters were added to the model inside the "
+        f"block, and {len(turned_on)} parameter(s) return to requires_grad=True: {names}{more}. "
+        "If code inside the block froze them on purpose (e.g. get_peft_model), that write "
+        "could not be told apart from the block's own and is undone: freeze them again after "
+        "the block (ts.freeze(model, ...) without `with`), or make the change outside the block.",
+        RestoredFlagsWarning,
+        stacklevel=4,
+    )
+
+
+class RestoredFlagsWarning(UserWarning):
+    """Leaving a context turned parameters back on that code inside it may have frozen."""
+
+
+# ----------------------------------------------------------------------------- the classes
 class _Context:
     """Apply at construction, undo at ``__exit__``; as a decorator, apply per call."""
 
@@ -51,15 +155,47 @@ class _Context:
             self._undo()
         return False
 
+    def _fresh(self) -> "_Context":
+        return type(self)(*self._args, **self._kwargs)
+
     def __call__(self, fn: Callable) -> Callable:
+        """Decorate ``fn``: the context applies during each call (for a generator function,
+        while the generator runs: around each resumption, not between them)."""
         self.__exit__(None, None, None)  # decorating applies nothing
+        if inspect.isgeneratorfunction(fn):
+            return self._wrap_generator(fn)
 
         @functools.wraps(fn)
         def per_call(*args, **kwargs):
-            with type(self)(*self._args, **self._kwargs):
+            with self._fresh():
                 return fn(*args, **kwargs)
 
         return per_call
+
+    def _wrap_generator(self, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def per_resume(*args, **kwargs):
+            gen = fn(*args, **kwargs)
+            try:
+                with self._fresh():
+                    response = gen.send(None)
+                while True:
+                    try:
+                        request = yield response
+                    except GeneratorExit:
+                        with self._fresh():
+                            gen.close()
+                        raise
+                    except BaseException:
+                        with self._fresh():
+                            response = gen.throw(*sys.exc_info())
+                    else:
+                        with self._fresh():
+                            response = gen.send(request)
+            except StopIteration as stop:
+                return stop.value
+
+        return per_resume
 
 
 class _FlagContext(_Context):

@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.parallel import DistributedDataParallel
 
-from .declare import flag_guards
+from ._state import flag_guards
 
 __all__: list[str] = []
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import _dtensor
+from . import _dtensor, _state
 from . import tree as _tree
 from .declare import trainable_parameters
 from .select import index, select
@@ -55,7 +55,10 @@ def _asked(model: nn.Module, wrt) -> Pairs:
 class _only:
     """Within the block, exactly the ``asked`` parameters of ``model`` require grad.
 
-    Every flag is restored on exit, also when the block raises.
+    The flags written here are recorded as torchstruct's own (the starting flags stay), so
+    trainability read inside the block (``ts.trainable_parameters`` in a loss term) is the
+    model's true one, not this block's. Every flag and record is restored on exit, also when
+    the block raises.
     """
 
     def __init__(self, model: nn.Module, asked: Pairs) -> None:
@@ -63,13 +66,21 @@ class _only:
         self.ids = {id(p) for _, p in asked}
 
     def __enter__(self) -> None:
-        self.before = [p.requires_grad for p in self.params]
-        for p in self.params:
-            p.requires_grad_(id(p) in self.ids)
+        with _state.LOCK:
+            self.before = [(p.requires_grad, _state.record(p)) for p in self.params]
+            for p, (flag, rec) in zip(self.params, self.before):
+                base = rec[0] if rec is not None and flag is rec[1] else flag
+                p.requires_grad_(id(p) in self.ids)
+                _state.set_record(p, base, id(p) in self.ids)
 
     def __exit__(self, *exc) -> None:
-        for p, flag in zip(self.params, self.before):
-            p.requires_grad_(flag)
+        with _state.LOCK:
+            for p, (flag, rec) in zip(self.params, self.before):
+                p.requires_grad_(flag)
+                if rec is None:
+                    _state.forget(p)
+                else:
+                    _state.set_record(p, *rec)
 
 
 def _check_loss(loss) -> torch.Tensor:

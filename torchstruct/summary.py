@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .declare import _WRITTEN, _governed
+from .declare import trainable_parameters
 
 __all__ = ["summary", "Summary", "Row"]
 
@@ -99,7 +99,7 @@ def summary(model: nn.Module) -> Summary:
         >>> s.trainable, s.total
         (5, 25)
     """
-    _governed(model)
+    on_ids = {id(p) for _, p in trainable_parameters(model)}  # read-only
     first: dict[int, str] = {}  # id of a parameter or module -> its first path
     rows: list[Row] = []
 
@@ -120,7 +120,7 @@ def summary(model: nn.Module) -> Summary:
                 rows.append(Row(ppath, pname, kind, depth + 1, 0, 0, "", first[id(p)], True))
                 continue
             first[id(p)] = ppath
-            on = bool(getattr(p, _WRITTEN, p.requires_grad))
+            on = id(p) in on_ids
             n = p.numel()
             trainable, total = trainable + (n if on else 0), total + n
             rows.append(Row(ppath, pname, kind, depth + 1, n if on else 0, n, _mark(on, 1), None, True))

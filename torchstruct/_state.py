@@ -1,0 +1,104 @@
+"""The one owner of torchstruct's process-wide state: small, locked, and weakly held.
+
+Everything torchstruct remembers between calls lives here, and nowhere else:
+
+- ``records``: per parameter, its *starting flag* and the flag torchstruct last wrote. Kept
+  here, not as attributes of the parameter, so that a copy of a parameter (``deepcopy``,
+  ``torch.save``) carries nothing of ours and behaves as plain PyTorch.
+- ``states``: the attached models (roots), keyed by ``id``; each :class:`~torchstruct.hooks.State`
+  holds its root weakly.
+- ``entries``: the active contexts of every model, outermost (oldest) first.
+- ``frozen_norms``: the normalization layers whose running statistics are held right now.
+- ``flag_guards``: callbacks consulted before flags change (``torchstruct.distributed``).
+
+Every change of these happens under :data:`LOCK` (re-entrant), so contexts entered and left
+from several threads compose as if they ran one after another. Nothing here keeps a model or a
+parameter alive.
+
+A registration anywhere in the process (``register_parameter``, ``add_module``, attribute
+assignment) marks *only the attached trees that contain the module registered into* as
+changed: building an unrelated module costs the attached models nothing.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+from torch import nn
+from torch.nn.modules import module as _module_mod
+
+LOCK = threading.RLock()
+
+# id(parameter) -> (weakref to it, starting flag, flag torchstruct last wrote)
+records: dict[int, tuple[weakref.ref, bool, bool]] = {}
+
+# id(root) -> State (see torchstruct.hooks); a State holds its root weakly
+states: dict = {}
+
+# every active context (torchstruct.contexts.Entry), outermost first
+entries: list = []
+
+# id(norm layer) -> the layer (weakly): layers whose running statistics are held now
+frozen_norms: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+# Called as guard(changes, refuse) before flags are written, with the (path, parameter, new
+# flag) of every parameter whose flag would change. With refuse=True a guard raises to refuse
+# the change (nothing is written); with refuse=False (leaving a context, which must always
+# restore) it may only warn.
+flag_guards: list = []
+
+
+# ----------------------------------------------------------------------------- records
+def record(p) -> tuple[bool, bool] | None:
+    """``(starting flag, flag last written)`` of parameter ``p``, or None if never written."""
+    hit = records.get(id(p))
+    if hit is None or hit[0]() is not p:
+        return None
+    return hit[1], hit[2]
+
+
+def _forget_dead(ref: weakref.ref, key: int) -> None:
+    hit = records.get(key)
+    if hit is not None and hit[0] is ref:
+        del records[key]
+
+
+def set_record(p, base: bool, written: bool) -> None:
+    hit = records.get(id(p))
+    if hit is not None and hit[0]() is p:
+        ref = hit[0]
+    else:
+        key = id(p)
+        ref = weakref.ref(p, lambda r, key=key: _forget_dead(r, key))
+    records[id(p)] = (ref, base, written)
+
+
+def forget(p) -> None:
+    hit = records.get(id(p))
+    if hit is not None and hit[0]() is p:
+        del records[id(p)]
+
+
+# ----------------------------------------------------------------------------- states
+def live_states() -> list:
+    """The states whose root is alive (a snapshot: safe to iterate while others change)."""
+    return [st for st in tuple(states.values()) if st.root() is not None]
+
+
+def state_of(root: nn.Module):
+    """The state rooted exactly at ``root``, or None."""
+    st = states.get(id(root))
+    return st if st is not None and st.root() is root else None
+
+
+def _on_registered(module: nn.Module, _name: str, _value) -> None:
+    """A parameter or module was registered into ``module``: only trees holding it changed."""
+    key = id(module)
+    for st in tuple(states.values()):
+        if key in st.module_ids:
+            st.dirty = True
+            st.registrations += 1
+
+
+_module_mod.register_module_parameter_registration_hook(_on_registered)
+_module_mod.register_module_module_registration_hook(_on_registered)

@@ -1,0 +1,291 @@
+"""Hooks make it real: writing effective trainability into ``requires_grad``, and keeping it so.
+
+- :func:`attach` installs a forward pre-hook on a model (every entry point that changes what
+  trains attaches implicitly). The hook re-applies the flags before a forward only when the
+  model's own tree changed (a parameter or module registered into it); otherwise it costs a
+  dictionary look-up and an attribute read.
+- Normalization layers whose parameters are all frozen get a pair of hooks that hold their
+  running statistics (``freeze_norm_stats``).
+- Every hook looks up a live owner before acting. A copy of a model (``deepcopy``,
+  ``AveragedModel``, ``torch.save``/``torch.load``) carries the hook functions in its hook
+  dictionaries, but no state governs the copy, so they do nothing there: the copy behaves as
+  plain PyTorch until it is attached itself. :func:`detach_hooks` removes them from any model.
+
+Before ``torch.save(model)`` of an attached model, note that the hooks are pickled by name
+(``torchstruct.hooks._pre_forward``): loading the file then needs torchstruct importable.
+``ts.detach_hooks(model)`` first removes every one of them (flags stay as they are), which is
+also what ``torch.jit.script`` needs.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+from torch.nn.modules.batchnorm import _NormBase
+
+from . import _state
+from .declare import effective
+
+__all__ = ["attach", "detach_hooks"]
+
+@dataclass(eq=False)
+class State:
+    """What torchstruct keeps for one attached model (the root, held weakly)."""
+
+    root: weakref.ref
+    freeze_norm_stats: bool = True
+    dirty: bool = True  # the root's tree changed since the last application
+    registrations: int = 0  # registrations into the tree, ever (contexts compare it)
+    module_ids: frozenset = frozenset()  # the tree's modules at the last application
+    # path -> (starting flag, flag written) at the last application
+    last: dict = field(default_factory=dict)
+    # id -> weakref of the parameters at the last application
+    members: dict = field(default_factory=dict)
+    hook: object = None
+    norm_hooks: dict = field(default_factory=dict)  # id(layer) -> (weakref, [handles])
+
+    def apply(self, refuse: bool = True) -> list[tuple[str, nn.Parameter, bool]]:
+        """Compute every flag of the root's parameters and write it (after ``flag_guards``).
+
+        Parameters that left the tree since the last application go back to their starting
+        flag (unless someone else changed them, or another attached model holds them).
+
+        Returns:
+            ``(path, parameter, new flag)`` of every flag that changed.
+        """
+        root = self.root()
+        if root is None:
+            return []
+        with _state.LOCK:
+            idx, base, flags = effective(root, self.last)
+            new = [(path, p, flags[id(p)]) for path, p in idx]
+            changes = [c for c in new if c[1].requires_grad is not c[2]]
+            for path, p, flag in changes:
+                if flag and not (p.is_floating_point() or p.is_complex()):
+                    raise ValueError(
+                        f"parameter {path!r} has dtype {p.dtype}, which cannot require grad; "
+                        "it cannot be made trainable (select floating-point parameters only). "
+                        "No flag was changed."
+                    )
+            for guard in _state.flag_guards if changes else ():
+                guard(changes, refuse)
+            for path, p, flag in new:
+                if p.requires_grad is not flag:
+                    p.requires_grad_(flag)
+                _state.set_record(p, base[id(p)], flag)
+            self._release_leavers({id(p) for p in idx.params})
+            self.members = {id(p): weakref.ref(p) for p in idx.params}
+            self.last = {path: (base[id(p)], flag) for path, p, flag in new}
+            self.module_ids = frozenset(id(m) for m in root.modules())
+            self._sync_norm_hooks(root)
+            self.dirty = False
+            return changes
+
+    def _release_leavers(self, now: set[int]) -> None:
+        held = {i for st in _state.live_states() if st is not self for i in st.members}
+        for key, ref in self.members.items():
+            p = ref()
+            if p is None or key in now or key in held:
+                continue
+            rec = _state.record(p)
+            if rec is not None and p.requires_grad is rec[1] and rec[0] is not rec[1]:
+                p.requires_grad_(rec[0])
+            _state.forget(p)
+
+    # -- hooks
+    def install(self) -> None:
+        root = self.root()
+        if self.hook is None and root is not None:
+            self.hook = root.register_forward_pre_hook(_pre_forward)
+            self._sync_norm_hooks(root)
+
+    def uninstall(self) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+            self.hook = None
+        for key, (_, handles) in self.norm_hooks.items():
+            for h in handles:
+                h.remove()
+            _state.frozen_norms.pop(key, None)
+        self.norm_hooks.clear()
+
+    def _norm_stats_frozen(self, mod: nn.Module) -> bool:
+        if not (isinstance(mod, _NormBase) and mod.track_running_stats):
+            return False
+        params = [p for p in mod._parameters.values() if p is not None]
+        if not (self.freeze_norm_stats and params) or any(p.requires_grad for p in params):
+            return False
+        for entry in _state.entries:  # contexts whose scope holds the layer may opt out
+            scope = entry.scope()
+            if not entry.freeze_norm_stats and scope is not None and any(
+                m is mod for m in scope.modules()
+            ):
+                return False
+        return True
+
+    def _sync_norm_hooks(self, root: nn.Module) -> None:
+        want = {}
+        if self.hook is not None:  # detached: no hooks at all
+            want = {id(m): m for m in root.modules() if self._norm_stats_frozen(m)}
+        for key in list(self.norm_hooks):
+            ref, handles = self.norm_hooks[key]
+            if want.get(key) is not ref():
+                for h in handles:
+                    h.remove()
+                del self.norm_hooks[key]
+                _state.frozen_norms.pop(key, None)
+        for key, mod in want.items():
+            if key not in self.norm_hooks:
+                handles = [
+                    mod.register_forward_pre_hook(_norm_pre),
+                    mod.register_forward_hook(_norm_post, always_call=True),
+                ]
+                self.norm_hooks[key] = (weakref.ref(mod), handles)
+                _state.frozen_norms[key] = mod
+
+
+# ----------------------------------------------------------------------------- the hooks
+_is_compiling = torch.compiler.is_compiling
+
+
+def _pre_forward(module: nn.Module, _args) -> None:
+    if _is_compiling():  # flags are written eagerly; compiled code guards on them
+        return
+    st = _state.states.get(id(module))
+    if st is not None and st.dirty and st.root() is module:
+        st.apply()
+
+
+def _pre_compiled_forward(wrapper: nn.Module, _args) -> None:
+    """On a ``torch.compile`` wrapper: apply before the compiled frame runs (eagerly)."""
+    _pre_forward(wrapper._modules.get("_orig_mod"), _args)
+
+
+def _on_module_registered(module: nn.Module, name: str, _submodule) -> None:
+    if name == "_orig_mod" and type(module).__name__ == "OptimizedModule":
+        module.register_forward_pre_hook(_pre_compiled_forward)
+
+
+_module_mod.register_module_module_registration_hook(_on_module_registered)
+
+
+def _held(module: nn.Module) -> bool:
+    return _state.frozen_norms.get(id(module)) is module
+
+
+def _norm_pre(module: nn.Module, _args) -> None:
+    if _held(module):  # only a layer a live state holds: never a copy's
+        module.__dict__["_torchstruct_was_training"] = module.training
+        module.training = False  # normalize with, and never update, the running statistics
+
+
+def _norm_post(module: nn.Module, _args, _out) -> None:
+    was = module.__dict__.pop("_torchstruct_was_training", None)
+    if was is not None:
+        module.training = was
+
+
+_OURS = (_pre_forward, _pre_compiled_forward, _norm_pre, _norm_post)
+
+
+# ----------------------------------------------------------------------------- states
+def _contains(root: nn.Module | None, module: nn.Module) -> bool:
+    return root is not None and any(m is module for m in root.modules())
+
+
+def state_for(module: nn.Module) -> State:
+    """The state governing ``module``: its own, an attached ancestor's, or a new one.
+
+    A new state rooted at ``module`` replaces the states of attached descendants (their
+    declarations are now read from ``module`` down). Call under the lock.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
+    st = _state.state_of(module)
+    if st is not None:
+        return st
+    for other in _state.live_states():
+        if _contains(other.root(), module):
+            return other
+    st = State(weakref.ref(module, _forget_root(id(module))))
+    for other in _state.live_states():
+        if _contains(module, other.root()):
+            other.uninstall()
+            _state.states.pop(id(other.root()), None)
+            st.members.update(other.members)  # released at the first application if gone
+    _state.states[id(module)] = st
+    st.install()
+    return st
+
+
+def _forget_root(key: int):
+    def drop(ref: weakref.ref) -> None:
+        st = _state.states.get(key)
+        if st is not None and st.root is ref:
+            del _state.states[key]
+
+    return drop
+
+
+def states_sharing(params: set[int]) -> list[State]:
+    """The live states whose tree holds (or held at the last application) any of ``params``."""
+    return [st for st in _state.live_states() if not params.isdisjoint(st.members)]
+
+
+def apply_containing(module: nn.Module, refuse: bool = True) -> None:
+    """Apply every state whose tree contains ``module`` (attaching ``module`` if none does)."""
+    with _state.LOCK:
+        found = [st for st in _state.live_states() if _contains(st.root(), module)]
+        for st in found or [state_for(module)]:
+            st.apply(refuse)
+
+
+# ----------------------------------------------------------------------------- public
+def attach(model: nn.Module, *, freeze_norm_stats: bool | None = None) -> nn.Module:
+    """Install the hooks that keep ``requires_grad`` equal to effective trainability.
+
+    Every torchstruct entry point that changes what trains attaches implicitly; calling
+    ``attach`` again re-applies all flags at once (useful after code that swapped parameters
+    without registering them).
+
+    Arguments:
+        model: the root module.
+        freeze_norm_stats: when given, sets whether normalization layers whose parameters are
+            all frozen stop updating (and use) their running statistics. Default True.
+
+    Returns:
+        ``model``.
+    """
+    with _state.LOCK:
+        st = state_for(model)
+        if freeze_norm_stats is not None:
+            st.freeze_norm_stats = bool(freeze_norm_stats)
+        st.install()
+        st.apply()
+    return model
+
+
+def detach_hooks(model: nn.Module) -> nn.Module:
+    """Remove every hook torchstruct installed on ``model`` and its submodules (flags stay).
+
+    Also removes the inert hooks a copy of an attached model carries (``deepcopy``,
+    ``torch.load``). Contexts still change flags at once while active; only the automatic
+    re-application at forward (new parameters, new submodules) and the frozen-norm behaviour
+    stop. Needed before ``torch.jit.script``, and before ``torch.save`` when the file must load
+    without torchstruct.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"detach_hooks: expected an nn.Module, got {type(model).__name__}")
+    with _state.LOCK:
+        st = _state.state_of(model)
+        if st is not None:
+            st.uninstall()
+        for mod in model.modules():
+            for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
+                for key in [k for k, h in hooks.items() if h in _OURS]:
+                    del hooks[key]
+                    mod._forward_hooks_always_called.pop(key, None)
+    return model
