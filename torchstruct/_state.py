@@ -81,8 +81,17 @@ def forget(p) -> None:
 
 # ----------------------------------------------------------------------------- states
 def live_states() -> list:
-    """The states whose root is alive (a snapshot: safe to iterate while others change)."""
-    return [st for st in tuple(states.values()) if st.root() is not None]
+    """The states whose root is alive (a snapshot: safe to iterate while others change).
+
+    States of dead roots are dropped here, not in a weakref callback: a callback runs inside
+    any allocation (garbage collection), also while another loop walks ``states``."""
+    out = []
+    for key, st in list(states.items()):
+        if st.root() is None:
+            states.pop(key, None)
+        else:
+            out.append(st)
+    return out
 
 
 def state_of(root: nn.Module):
@@ -94,7 +103,7 @@ def state_of(root: nn.Module):
 def _on_registered(module: nn.Module, _name: str, _value) -> None:
     """A parameter or module was registered into ``module``: only trees holding it changed."""
     key = id(module)
-    for st in tuple(states.values()):
+    for st in list(states.values()):
         if key in st.module_ids:
             st.dirty = True
             st.registrations += 1

@@ -210,7 +210,7 @@ def state_for(module: nn.Module) -> State:
     for other in _state.live_states():
         if _contains(other.root(), module):
             return other
-    st = State(weakref.ref(module, _forget_root(id(module))))
+    st = State(weakref.ref(module))
     for other in _state.live_states():
         if _contains(module, other.root()):
             other.uninstall()
@@ -219,15 +219,6 @@ def state_for(module: nn.Module) -> State:
     _state.states[id(module)] = st
     st.install()
     return st
-
-
-def _forget_root(key: int):
-    def drop(ref: weakref.ref) -> None:
-        st = _state.states.get(key)
-        if st is not None and st.root is ref:
-            del _state.states[key]
-
-    return drop
 
 
 def states_sharing(params: set[int]) -> list[State]:

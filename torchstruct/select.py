@@ -90,7 +90,7 @@ def _closest(word: str, candidates: list[str], n: int = 5) -> str:
 
 
 def _predicate(
-    sel, idx: ParamIndex, strict: bool
+    sel, model: nn.Module, idx: ParamIndex, strict: bool
 ) -> Callable[[str, nn.Parameter], bool] | set[int]:
     """One selector -> a predicate over ``(path, param)`` or a set of parameter ids."""
     if isinstance(sel, nn.Parameter):
@@ -101,13 +101,12 @@ def _predicate(
             )
         return {id(sel)}
     if isinstance(sel, nn.Module):
-        ids = {id(p) for p in sel.parameters()}
-        owned = {id(p) for p in idx.params}
-        if strict and not ids <= owned:
+        if strict and not any(m is sel for m in model.modules()):
             raise ValueError(
-                f"selector: the given {type(sel).__name__} is not a submodule of the model"
+                f"selector: the given {type(sel).__name__} is not a submodule of the model "
+                "(modules are matched by identity; a copy or a new instance is another module)"
             )
-        return ids
+        return {id(p) for p in sel.parameters()}
     if isinstance(sel, str):
         pred = _glob(sel)
         known = idx.all_paths() + list(idx.modules)
@@ -137,6 +136,11 @@ def _predicate(
 def _flatten(selectors) -> Iterator:
     for sel in selectors:
         if isinstance(sel, (list, tuple)):
+            if not sel:
+                raise ValueError(
+                    "selector: an empty list selects nothing (and freeze_except would freeze "
+                    "everything); pass at least one selector"
+                )
             yield from _flatten(sel)
         else:
             yield sel
@@ -159,8 +163,9 @@ def select(
         once.
 
     Raises:
-        ValueError: a string or regex matching nothing (naming the closest existing paths), or
-            a module/parameter that does not belong to ``model``.
+        ValueError: a string or regex matching nothing (naming the closest existing paths), a
+            module/parameter that does not belong to ``model`` (by identity), or an empty
+            list/tuple of selectors (always, also with ``strict=False``).
         TypeError: a selector of an unsupported type.
 
     Example:
@@ -170,7 +175,7 @@ def select(
         ['1.weight', '1.bias']
     """
     idx = index(model) if idx is None else idx
-    preds = [_predicate(sel, idx, strict) for sel in _flatten(selectors)]
+    preds = [_predicate(sel, model, idx, strict) for sel in _flatten(selectors)]
     ids = {i for pr in preds if isinstance(pr, set) for i in pr}
     fns = [pr for pr in preds if not isinstance(pr, set)]
     return [
