@@ -148,7 +148,8 @@ class State:
 
 
 # ----------------------------------------------------------------------------- the hooks
-_is_compiling = torch.compiler.is_compiling
+# Constant-folded to True while dynamo traces; a plain function returning False otherwise.
+_is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
 
 
 def _pre_forward(module: nn.Module, _args) -> None:
