@@ -99,7 +99,7 @@ def test_every_public_name_is_documented():
 def test_api_reference_covers_the_modules():
     api = (DOCS / "api.md").read_text(encoding="utf-8")
     entries = API_ENTRY.findall(api)
-    for mod in ("select", "declare", "contexts", "blocks", "grad", "within", "walk", "tree",
+    for mod in ("select", "declare", "hooks", "contexts", "blocks", "grad", "within", "walk", "tree",
                 "clip", "summary", "optim"):
         assert f"torchstruct.{mod}" in entries, f"api.md has no '::: torchstruct.{mod}' entry"
 
