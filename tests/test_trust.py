@@ -160,7 +160,10 @@ def test_read_only_calls_install_no_hook_and_write_no_flag():
     assert all(flags(m).values())  # nothing written
     assert not any(len(mod._forward_pre_hooks) for mod in m.modules())
     assert b"torchstruct" not in pickle.dumps(m)  # loads without torchstruct
-    torch.jit.script(nn.Sequential(nn.Linear(2, 2)))  # scripting a plain model works
+    plain = bn_net()
+    ts.summary(plain), list(ts.trainable_parameters(plain)), ts.is_trainable(plain, "1.weight")
+    torch.jit.script(plain)  # scripting refuses Python hooks: there are none
+    assert b"torchstruct" not in pickle.dumps(plain)
 
 
 def test_read_only_call_on_a_model_sharing_a_parameter_changes_no_flag():
