@@ -188,16 +188,19 @@ def test_detach_hooks_makes_an_attached_model_plain_for_save_and_script():
 
 
 # ----------------------------------------------------------------------------- threads
-def test_contexts_from_two_threads_on_two_models_do_not_interfere():
-    models = [mlp(), mlp()]
+def test_contexts_from_four_threads_on_four_models_do_not_interfere():
+    models = [mlp() for _ in range(4)]
+    keeps = ["0", "3", "2", "0"]
     errors = []
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(len(models))
 
     def work(m, keep):
+        x = torch.randn(2, 4)
         barrier.wait()
         try:
-            for _ in range(300):
+            for _ in range(1000):
                 with ts.freeze_except(m, keep):
+                    m(x)
                     got = flags(m)
                     want = {k: k.startswith(keep + ".") for k in got}
                     if got != want:
@@ -207,9 +210,9 @@ def test_contexts_from_two_threads_on_two_models_do_not_interfere():
             errors.append(e)
 
     before = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
+    sys.setswitchinterval(1e-5)
     try:
-        threads = [threading.Thread(target=work, args=(m, k)) for m, k in zip(models, ["0", "3"])]
+        threads = [threading.Thread(target=work, args=(m, k)) for m, k in zip(models, keeps)]
         for t in threads:
             t.start()
         for t in threads:
