@@ -11,6 +11,7 @@ Every public name is re-exported here from the one module that defines it:
 - :mod:`.walk`: ``map_trainable``, ``polyak_update``;
 - :mod:`.clip`: ``global_norm``, ``clip_by_global_norm``;
 - :mod:`.summary`: ``summary``; :mod:`.optim`: fused masked optimizers;
+- :mod:`.schedule`: ``UnfreezeSchedule``;
 - :mod:`.distributed`: guards for DistributedDataParallel;
 - :mod:`._ops`: the seam between the compiled extension and ``_reference.py``.
 """
@@ -21,6 +22,7 @@ from .clip import *  # noqa: F401,F403
 from .contexts import freeze, freeze_except, unfreeze
 from .declare import attach, detach_hooks, is_trainable, mark_trainable, trainable_parameters
 from .grad import *  # noqa: F401,F403
+from .schedule import UnfreezeSchedule
 from .select import select
 from .summary import summary
 from .walk import *  # noqa: F401,F403
