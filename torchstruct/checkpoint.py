@@ -70,8 +70,8 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
             trainable normalization layers, ...). Default True.
 
     Returns:
-        ``{path: tensor}`` (detached, sharing storage with the model), trainable parameters first
-        in ``named_parameters()`` order, then buffers in ``named_buffers()`` order.
+        ``{path: tensor}`` (detached, sharing storage with the model), in the order of
+        ``model.state_dict()``.
 
     Raises:
         TypeError: ``model`` is not a module.
@@ -90,17 +90,22 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
     if buffers:
         trained = {id(p) for _, p in params}
         out.update((path, b.detach()) for path, b in _owned_buffers(model, trained).items())
-    return out
+    order = {path: i for i, path in enumerate(_targets(model))}  # Module.state_dict's order
+    return {path: out[path] for path in sorted(out, key=order.__getitem__)}
 
 
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every path ``Module.state_dict`` would write: parameters (all paths of a tied one) and
-    persistent buffers."""
-    out: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    """Every path ``Module.state_dict`` would write, in its order: parameters (all paths of a
+    tied one) and persistent buffers."""
+    out: dict[str, torch.Tensor] = {}
     for mpath, mod in model.named_modules(remove_duplicate=False):
+        prefix = f"{mpath}." if mpath else ""
+        for name, p in mod._parameters.items():
+            if p is not None:
+                out[prefix + name] = p
         for name, b in mod._buffers.items():
             if b is not None and name not in mod._non_persistent_buffers_set:
-                out[f"{mpath}.{name}" if mpath else name] = b
+                out[prefix + name] = b
     return out
 
 
