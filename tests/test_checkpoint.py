@@ -255,3 +255,9 @@ def test_peft_lora_checkpoint_holds_only_the_lora_weights_and_round_trips():
     buf.seek(0)
     ts.load_state_dict(fresh, torch.load(buf))
     assert torch.equal(model(x).logits, fresh(x).logits)
+
+
+def test_lazy_parameters_are_refused():
+    lazy = nn.Sequential(nn.LazyLinear(2))
+    with pytest.raises(ValueError, match="UninitializedParameter"):
+        ts.load_state_dict(lazy, {"0.weight": torch.zeros(2, 3)}, strict=False)

@@ -111,7 +111,7 @@ def test_resume_mid_run_gives_the_same_flags_in_a_fresh_model():
     fresh = make()
     r = ts.UnfreezeSchedule(fresh, MILESTONES)
     assert flags(fresh) == expected(fresh, "head")
-    r.load_state_dict(state)  # flags re-applied at once
+    r.load_state_dict({**state, "step": np.int64(state["step"])})  # flags re-applied at once
     assert flags(fresh) == flags(m)
     assert (r.current_step, r.stage, r.selectors) == (s.current_step, s.stage, s.selectors)
     for _ in range(3):  # and both go on alike

@@ -223,10 +223,11 @@ class UnfreezeSchedule:
                 f"'milestones', got {state!r}"
             )
         step = state["step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
             raise ValueError(
                 f"UnfreezeSchedule.load_state_dict: 'step' must be an integer >= 0, got {step!r}"
             )
+        step = operator.index(step)
         if list(state["milestones"]) != list(self._steps):
             raise ValueError(
                 "UnfreezeSchedule.load_state_dict: the state was saved by a schedule with "
