@@ -187,3 +187,138 @@ def test_summary_of_submodule():
         s = ts.summary(m[1])
     assert (s.trainable, s.total) == (6, 9)
     assert [r.path for r in s.rows] == ["", "0", "0.weight", "0.bias"]
+
+
+# ----------------------------------------------------------------------------- collapsing
+def tiny_gpt2(layers=12):
+    import os
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=16, n_head=2, vocab_size=64,
+                                  n_positions=16, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def check_sums(s):
+    """Every visible module row counts what the rows right under it count (a full summary)."""
+    rows = list(s.rows)
+    for i, r in enumerate(rows):
+        if r.is_param or r.tied_to is not None:
+            continue
+        kids = []
+        for q in rows[i + 1:]:
+            if q.depth <= r.depth:
+                break
+            if q.depth == r.depth + 1:
+                kids.append(q)
+        if kids:
+            assert (r.trainable, r.total) == (sum(k.trainable for k in kids),
+                                              sum(k.total for k in kids)), r.path
+
+
+def test_twelve_layer_gpt2_prints_a_short_summary():
+    m = tiny_gpt2()
+    s = ts.summary(m)
+    text = str(s)
+    lines = text.splitlines()
+    assert len(lines) < 45, text
+    assert sum(p.numel() for p in m.parameters()) == s.total
+    assert s.counts == (s.total, s.total)
+    head = [r for r in s.rows if r.repeat > 1]
+    assert len(head) == 1 and head[0].repeat == 12 and head[0].path == "transformer.h.0"
+    assert any(line.strip().startswith("0–11: GPT2Block ×12") for line in lines)
+    block = sum(p.numel() for p in m.transformer.h[0].parameters())
+    assert head[0].total == 12 * block
+    assert not any(r.path.startswith("transformer.h.1") for r in s.rows)
+    check_sums(s)
+
+
+def test_marks_split_a_run_of_blocks():
+    m = tiny_gpt2()
+    with ts.freeze_except(m, "transformer.h.11", "transformer.h.5.ln_1"):
+        s = ts.summary(m)
+        want = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    runs = [(r.name, r.repeat, r.mark) for r in s.rows if r.path.startswith("transformer.h.")
+            and r.depth == 3]
+    assert runs == [("0–4", 5, "frozen"), ("5", 1, "partial"), ("6–10", 5, "frozen"),
+                    ("11", 1, "trainable")]
+    assert s.trainable == want
+    check_sums(s)
+
+
+def test_only_identical_consecutive_children_of_lists_collapse():
+    m = nn.Sequential(
+        nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 8), nn.Linear(4, 4),  # shape breaks the run
+        nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2)}),  # not a list: no collapse
+        nn.ModuleList([nn.ReLU(), nn.ReLU(), nn.ReLU()]),
+    )
+    s = ts.summary(m)
+    top = [(r.name, r.repeat) for r in s.rows if r.depth == 1]
+    assert top == [("0–1", 2), ("2", 1), ("3", 1), ("4", 1), ("5", 1)]
+    inner = [(r.name, r.repeat) for r in s.rows if r.path.startswith("5.")]
+    assert inner == [("0–2", 3)]
+    assert [r.name for r in s.rows if r.path.startswith("4.") and r.depth == 2] == ["a", "b"]
+    check_sums(s)
+
+
+def test_dtype_and_tied_parameters_break_a_run():
+    m = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2).double(), nn.Linear(2, 2),
+                       nn.Linear(2, 2)])
+    m[3].weight = m[0].weight  # block 3 reuses block 0's weight: not identical to block 2
+    s = ts.summary(m)
+    assert [(r.name, r.repeat) for r in s.rows if r.depth == 1] == [
+        ("0", 1), ("1", 1), ("2", 1), ("3", 1)]
+    assert s.total == 3 * 6 + 2
+    reused = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    m = nn.Sequential(reused[0], reused[0], reused[0])  # one module three times: not collapsed
+    s = ts.summary(m)
+    assert [r.tied_to for r in s.rows if r.depth == 1] == [None, "0", "0"]
+
+
+def test_nested_repeats_count_every_copy():
+    def block():
+        return nn.Sequential(nn.ModuleList([nn.Linear(3, 3) for _ in range(4)]), nn.LayerNorm(3))
+
+    m = nn.ModuleList([block() for _ in range(5)])
+    s = ts.summary(m)
+    rows = {(r.path, r.name): r for r in s.rows}
+    outer = rows[("0", "0–4")]
+    inner = rows[("0.0.0", "0–3")]
+    assert (outer.repeat, inner.repeat) == (5, 4)
+    assert inner.total == 5 * 4 * 12 and outer.total == 5 * (4 * 12 + 6) == s.total
+    assert "0–3: Linear ×4" in str(s)
+    check_sums(s)
+
+
+def test_max_depth_hides_deeper_rows_but_keeps_their_counts():
+    m = tiny_gpt2(layers=3)
+    full = ts.summary(m)
+    for depth in (0, 1, 2, 3):
+        s = ts.summary(m, max_depth=depth)
+        assert all(r.depth <= depth for r in s.rows)
+        assert s.counts == full.counts
+        assert [r for r in full.rows if r.depth <= depth] == list(s.rows)
+    assert len(ts.summary(m, max_depth=0).rows) == 1
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "2"])
+def test_bad_max_depth(bad):
+    with pytest.raises(TypeError, match="max_depth"):
+        ts.summary(nn.Linear(2, 2), max_depth=bad)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        ts.summary([nn.Linear(2, 2)])
+
+
+def test_summary_is_read_only():
+    m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    m[0].bias.requires_grad_(False)
+    s = ts.summary(m)
+    assert s.counts == (8, 10)
+    assert not any(mod._forward_pre_hooks or mod._forward_hooks for mod in m.modules())
+    assert [p.requires_grad for p in m.parameters()] == [True, False, True, True]
+    assert not any(k.startswith("_torchstruct") for p in m.parameters() for k in vars(p))

@@ -1,7 +1,16 @@
-"""``ts.summary(model)``: the module tree with trainable/frozen marks and parameter counts."""
+"""``ts.summary(model)``: the module tree with trainable/frozen marks and parameter counts.
+
+Read-only: it asks :func:`~torchstruct.trainable_parameters` which parameters train and writes
+no flag, installs no hook.
+
+Repeated blocks are shown once: consecutive children of an ``nn.ModuleList`` or
+``nn.Sequential`` whose subtrees are identical (module types, parameter names, shapes, dtypes,
+marks) become one row, ``0–11: Block ×12``. That row and the rows under it count all the
+repeated blocks together; the rows under it are those of the first block.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -16,7 +25,10 @@ class Row:
 
     ``trainable``/``total`` count elements in the subtree, each parameter object once (a tied
     parameter counts where it first appears). ``mark`` is ``"trainable"``, ``"frozen"`` or
-    ``"partial"``; ``tied_to`` is the first path of a tied parameter seen again.
+    ``"partial"``; ``tied_to`` is the first path of a tied parameter seen again. ``repeat`` is
+    how many identical consecutive blocks the row stands for (``path`` is the first one's);
+    its counts cover all of them, and so do the counts of the rows under it (the first block's
+    rows, standing for the same part of every block).
     """
 
     path: str
@@ -28,6 +40,7 @@ class Row:
     mark: str
     tied_to: str | None = None
     is_param: bool = False
+    repeat: int = 1
 
 
 def _count(n: int) -> str:
@@ -48,11 +61,20 @@ def _mark(trainable: int, total: int) -> str:
 
 @dataclass(frozen=True)
 class Summary:
-    """The result of :func:`summary`; ``str()`` (and the REPL) shows it as a tree."""
+    """The result of :func:`summary`; ``str()`` (and the REPL) shows it as a tree.
+
+    ``counts`` is the pair ``(trainable, total)`` of element counts (also ``trainable`` and
+    ``total``); ``fraction`` their ratio.
+    """
 
     rows: tuple[Row, ...]
     trainable: int
     total: int
+
+    @property
+    def counts(self) -> tuple[int, int]:
+        """``(trainable, total)``: element counts over the whole model, tied parameters once."""
+        return self.trainable, self.total
 
     @property
     def fraction(self) -> float:
@@ -68,7 +90,8 @@ class Summary:
         head = [f"{'module / parameter':<48} {'state':<10} {'trainable':>10} {'total':>10}"]
         lines = []
         for r in self.rows:
-            label = "  " * r.depth + (f"{r.name}: {r.kind}" if r.name else r.kind)
+            kind = f"{r.kind} ×{r.repeat}" if r.repeat > 1 else r.kind
+            label = "  " * r.depth + (f"{r.name}: {kind}" if r.name else kind)
             if r.tied_to is not None:
                 lines.append(f"{label:<48} {'tied':<10} {'to ' + r.tied_to:>21}")
             else:
@@ -80,36 +103,24 @@ class Summary:
     __repr__ = __str__
 
 
-def summary(model: nn.Module) -> Summary:
-    """The module tree of ``model`` with trainable/frozen marks and counts per subtree.
+@dataclass
+class _Node:
+    row: Row
+    children: list[_Node] = field(default_factory=list)
+    sig: object = None  # what makes two subtrees "identical" (their own names excluded)
 
-    Arguments:
-        model: the root module (attached implicitly).
 
-    Returns:
-        A :class:`Summary`: ``rows`` (modules and parameters, depth first), ``trainable`` and
-        ``total`` element counts (tied parameters once), and ``str()`` as a printable tree
-        ending in a line such as ``trainable 1.2M of 124M, 0.97%``.
-
-    Example:
-        >>> import torch.nn as nn, torchstruct as ts
-        >>> m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
-        >>> with ts.freeze(m, "0"):
-        ...     s = ts.summary(m)
-        >>> s.trainable, s.total
-        (5, 25)
-    """
-    on_ids = {id(p) for _, p in trainable_parameters(model)}  # read-only
+def _tree(model: nn.Module) -> _Node:
+    """The uncollapsed tree of rows, each node with its structural signature."""
+    on = {id(p) for _, p in trainable_parameters(model)}
     first: dict[int, str] = {}  # id of a parameter or module -> its first path
-    rows: list[Row] = []
 
-    def walk(mod: nn.Module, path: str, name: str, depth: int) -> tuple[int, int]:
+    def walk(mod: nn.Module, path: str, name: str, depth: int) -> _Node:
         if id(mod) in first:  # a module used twice: shown once, in full, where it first appears
-            rows.append(Row(path, name, type(mod).__name__, depth, 0, 0, "", first[id(mod)]))
-            return 0, 0
+            row = Row(path, name, type(mod).__name__, depth, 0, 0, "", first[id(mod)])
+            return _Node(row, sig=("used twice", first[id(mod)]))
         first[id(mod)] = path
-        at = len(rows)
-        rows.append(None)  # placeholder, filled once the subtree is counted
+        children, sigs = [], []
         trainable = total = 0
         for pname, p in mod._parameters.items():
             if p is None:
@@ -117,20 +128,105 @@ def summary(model: nn.Module) -> Summary:
             ppath = f"{path}.{pname}" if path else pname
             kind = f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
             if id(p) in first:
-                rows.append(Row(ppath, pname, kind, depth + 1, 0, 0, "", first[id(p)], True))
+                row = Row(ppath, pname, kind, depth + 1, 0, 0, "", first[id(p)], True)
+                children.append(_Node(row, sig=("tied", first[id(p)])))
+                sigs.append((pname, "tied", first[id(p)]))
                 continue
             first[id(p)] = ppath
-            on = id(p) in on_ids
-            n = p.numel()
-            trainable, total = trainable + (n if on else 0), total + n
-            rows.append(Row(ppath, pname, kind, depth + 1, n if on else 0, n, _mark(on, 1), None, True))
+            n, t = p.numel(), (p.numel() if id(p) in on else 0)
+            trainable, total = trainable + t, total + n
+            row = Row(ppath, pname, kind, depth + 1, t, n, _mark(t, n), None, True)
+            children.append(_Node(row, sig=(kind, row.mark)))
+            sigs.append((pname, kind, row.mark))
         for cname, child in mod._modules.items():
             if child is None:
                 continue
-            t, n = walk(child, f"{path}.{cname}" if path else cname, cname, depth + 1)
-            trainable, total = trainable + t, total + n
-        rows[at] = Row(path, name, type(mod).__name__, depth, trainable, total, _mark(trainable, total))
-        return trainable, total
+            node = walk(child, f"{path}.{cname}" if path else cname, cname, depth + 1)
+            trainable, total = trainable + node.row.trainable, total + node.row.total
+            children.append(node)
+            sigs.append((cname, node.sig))
+        row = Row(path, name, type(mod).__name__, depth, trainable, total, _mark(trainable, total))
+        node = _Node(row, children, (type(mod), tuple(sigs)))
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            node.children = _collapse(node.children)
+        return node
 
-    trainable, total = walk(model, "", "", 0)
-    return Summary(tuple(rows), trainable, total)
+    return walk(model, "", "", 0)
+
+
+def _scaled(node: _Node, n: int) -> _Node:
+    """``node``'s subtree standing for ``n`` identical copies: counts times ``n``."""
+    row = replace(node.row, trainable=node.row.trainable * n, total=node.row.total * n)
+    return _Node(row, [_scaled(c, n) for c in node.children], node.sig)
+
+
+def _collapse(children: list[_Node]) -> list[_Node]:
+    """Runs of consecutive child modules with equal signatures -> one node per run."""
+    out: list[_Node] = []
+    i = 0
+    while i < len(children):
+        j = i + 1
+        while (
+            j < len(children)
+            and not children[i].row.is_param
+            and children[i].row.tied_to is None
+            and children[j].sig == children[i].sig
+        ):
+            j += 1
+        if j - i == 1:
+            out.append(children[i])
+        else:
+            head = _scaled(children[i], j - i)
+            name = f"{children[i].row.name}–{children[j - 1].row.name}"
+            out.append(replace(head, row=replace(head.row, name=name, repeat=j - i)))
+        i = j
+    return out
+
+
+def _rows(node: _Node, max_depth: int | None) -> list[Row]:
+    if max_depth is not None and node.row.depth > max_depth:
+        return []
+    return [node.row] + [r for c in node.children for r in _rows(c, max_depth)]
+
+
+def summary(model: nn.Module, max_depth: int | None = None) -> Summary:
+    """The module tree of ``model`` with trainable/frozen marks and counts per subtree.
+
+    Read-only: no flag is written, no hook installed. Identical consecutive blocks of an
+    ``nn.ModuleList`` / ``nn.Sequential`` are shown as one row (``h.0–11 ×12``).
+
+    Arguments:
+        model: the root module.
+        max_depth: show rows down to this depth (0: the root only, 1: its children, ...);
+            deeper rows are hidden, their counts still included above. ``None``: everything.
+
+    Returns:
+        A :class:`Summary`: ``rows`` (modules and parameters, depth first), ``counts`` =
+        ``(trainable, total)`` element counts (tied parameters once), and ``str()`` as a
+        printable tree ending in a line such as ``trainable 1.2M of 124M, 0.97%``.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``max_depth`` not an integer >= 0 or None.
+
+    Example:
+        >>> import torch.nn as nn, torchstruct as ts
+        >>> m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+        >>> with ts.freeze(m, "3"):
+        ...     s = ts.summary(m, max_depth=1)
+        >>> s.counts
+        (60, 65)
+        >>> print(s)  # doctest: +NORMALIZE_WHITESPACE
+        module / parameter                               state       trainable      total
+        Sequential                                       partial            60         65
+          0–2: Linear ×3                                 trainable          60         60
+          3: Linear                                      frozen              0          5
+        trainable 60 of 65, 92.31%
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"summary: expected an nn.Module, got {type(model).__name__}")
+    if max_depth is not None and (
+        isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0
+    ):
+        raise TypeError(f"summary: max_depth must be an integer >= 0 or None, got {max_depth!r}")
+    root = _tree(model)
+    return Summary(tuple(_rows(root, max_depth)), root.row.trainable, root.row.total)

@@ -1,0 +1,294 @@
+"""``ts.UnfreezeSchedule``: gradual unfreezing driven step by step, like an LR scheduler.
+
+The schedule holds one permanent context on the model (:mod:`torchstruct.contexts`): a bare
+``freeze_except(model, *trained)`` over everything the milestones reached so far select, or
+``freeze(model)`` while none has been reached, or none at all once a milestone said
+"everything". At a stage change it enters the new context and then leaves the old one; when the
+change is refused (a flag change DDP cannot follow, see :mod:`torchstruct.distributed`), the old
+context is put back and the schedule stays where it was: flags, step and stage unchanged.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import operator
+import warnings
+from collections.abc import Mapping
+
+from torch import nn
+
+from .contexts import freeze, freeze_except
+from .distributed import _ddp_problem
+from .select import index, select
+
+__all__ = ["UnfreezeSchedule"]
+
+_EVERYTHING = object()  # a milestone that trains everything from then on
+
+
+def _milestone_step(key) -> int:
+    if isinstance(key, bool) or not hasattr(key, "__index__"):
+        raise TypeError(
+            f"UnfreezeSchedule: milestone steps must be integers, got {key!r} "
+            f"({type(key).__name__})"
+        )
+    step = operator.index(key)
+    if step < 0:
+        raise ValueError(f"UnfreezeSchedule: milestone step {step} is negative")
+    return step
+
+
+def _milestone_selectors(model: nn.Module, step: int, value, strict: bool):
+    """A milestone's value -> ``_EVERYTHING`` or a tuple of selectors, checked against ``model``."""
+    if value is None or (isinstance(value, str) and value == "*"):
+        return _EVERYTHING
+    sels = tuple(value) if isinstance(value, (list, tuple)) else (value,)
+    if not sels:
+        raise ValueError(
+            f"UnfreezeSchedule: milestone {step} has an empty selector list (use None or '*' "
+            "for everything)"
+        )
+    try:
+        select(model, *sels, strict=strict)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"UnfreezeSchedule: milestone {step}: {e}") from None
+    return sels
+
+
+class UnfreezeSchedule:
+    """Unfreeze parts of a model at given steps; what trains grows with every milestone.
+
+    ``milestones`` maps a step to the selectors that train from that step on, in addition to
+    everything earlier milestones selected; ``None`` or ``"*"`` trains everything. Step 0 applies
+    at construction (with no milestone at 0, everything is frozen until the first one), and
+    :meth:`step` advances one step, like an LR scheduler: call it once per optimizer step,
+    after ``optimizer.step()``. The selected parameters keep their own flags (those frozen by a
+    declaration, by PEFT or by hand stay frozen), exactly as :class:`~torchstruct.freeze_except`
+    leaves them; contexts entered around the schedule compose with it.
+
+    A step that reaches no milestone is a counter increment and a comparison (no walk of the
+    model). :meth:`state_dict` / :meth:`load_state_dict` carry the step across a resume; loading
+    re-applies the flags of the loaded stage at once.
+
+    Arguments:
+        model: the module whose parameters the schedule governs.
+        milestones: ``{step: selectors}``; steps are integers >= 0, selectors anything
+            :func:`~torchstruct.select` takes (a list or tuple is a union), or ``None`` / ``"*"``
+            for everything.
+        strict: when True (default), a selector that matches nothing raises (typos), here and
+            at every stage change.
+        freeze_norm_stats: passed to the contexts: normalization layers whose parameters are all
+            frozen stop updating their running statistics (default True).
+
+    Raises:
+        TypeError: ``model`` is not a module, ``milestones`` not a mapping, a step not an
+            integer, or a selector of an unsupported type.
+        ValueError: no milestone, a negative step, an empty selector list, or a selector that
+            matches nothing (naming the milestone and the closest paths).
+        RuntimeError: the flags of step 0 cannot be applied (a wrapped DDP model cannot follow
+            them). Nothing changed.
+
+    Example:
+        >>> import torch.nn as nn, torchstruct as ts
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> s = ts.UnfreezeSchedule(m, {0: "2", 2: "1", 4: None})
+        >>> [p.requires_grad for p in m.parameters()]
+        [False, False, False, False, True, True]
+        >>> for _ in range(2):
+        ...     s.step()
+        >>> s.current_step, s.stage, s.selectors
+        (2, 2, ('2', '1'))
+        >>> [p.requires_grad for p in m.parameters()]
+        [False, False, True, True, True, True]
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        milestones: Mapping,
+        *,
+        strict: bool = True,
+        freeze_norm_stats: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"UnfreezeSchedule: expected an nn.Module, got {type(model).__name__}")
+        if not isinstance(milestones, Mapping):
+            raise TypeError(
+                "UnfreezeSchedule: milestones must be a mapping {step: selectors}, got "
+                f"{type(milestones).__name__}"
+            )
+        if not milestones:
+            raise ValueError("UnfreezeSchedule: milestones is empty (nothing would ever train)")
+        steps = {}
+        for key, value in milestones.items():
+            step = _milestone_step(key)
+            if step in steps:
+                raise ValueError(f"UnfreezeSchedule: milestone step {step} is given twice")
+            steps[step] = value
+        self.model = model
+        self.strict = bool(strict)
+        self.freeze_norm_stats = bool(freeze_norm_stats)
+        self._steps = tuple(sorted(steps))
+        self._selectors = tuple(
+            _milestone_selectors(model, s, steps[s], self.strict) for s in self._steps
+        )
+        self._context = None
+        self._closed = False
+        self._stage = 0
+        self._step = 0
+        self._next = -1  # the step of the next milestone; -1: not applied yet
+        self._swap(self._stage_at(0), _apply_first=True)
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def current_step(self) -> int:
+        """The number of :meth:`step` calls so far (0 after construction), or the loaded step."""
+        return self._step
+
+    @property
+    def stage(self) -> int:
+        """How many milestones have been reached (0 while none has)."""
+        return self._stage
+
+    @property
+    def milestones(self) -> tuple[int, ...]:
+        """The milestone steps, sorted."""
+        return self._steps
+
+    @property
+    def selectors(self) -> tuple | None:
+        """The selectors that train now (the milestones reached, in order), ``None`` once a
+        milestone said everything, ``()`` while none has been reached."""
+        return self._union(self._stage)
+
+    def _union(self, stage: int) -> tuple | None:
+        reached = self._selectors[:stage]
+        if any(s is _EVERYTHING for s in reached):
+            return None
+        return tuple(sel for sels in reached for sel in sels)
+
+    def _stage_at(self, step: int) -> int:
+        return bisect.bisect_right(self._steps, step)
+
+    def __repr__(self) -> str:
+        return (
+            f"UnfreezeSchedule(step={self._step}, stage={self._stage}/{len(self._steps)}, "
+            f"milestones={list(self._steps)})"
+        )
+
+    # ------------------------------------------------------------------ advancing
+    def step(self) -> None:
+        """Advance one step; at a milestone, unfreeze what it selects.
+
+        Raises:
+            RuntimeError: the stage change is refused (DDP cannot follow it). The schedule, its
+                step and every flag stay as they were.
+            ValueError: with ``strict=True``, a selector of the new stage matches nothing in the
+                model any more (the model changed). Nothing changed.
+        """
+        step = self._step + 1
+        if step < self._next:
+            self._step = step
+            return
+        self._swap(self._stage_at(step))
+        self._step = step
+
+    def close(self) -> None:
+        """Lift the schedule's context: every flag returns to what it would be without it.
+
+        The schedule is unusable afterwards (:meth:`step` and :meth:`load_state_dict` raise).
+        """
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+        self._context, self._closed, self._next = None, True, -1
+
+    def state_dict(self) -> dict:
+        """``{"step": int, "milestones": [int, ...]}``: what :meth:`load_state_dict` needs."""
+        return {"step": self._step, "milestones": list(self._steps)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Go to the step in ``state`` and apply the flags of its stage at once.
+
+        Arguments:
+            state: a dict from :meth:`state_dict` of a schedule with the same milestone steps.
+
+        Raises:
+            TypeError, ValueError: ``state`` is malformed, or was saved by a schedule with other
+                milestone steps. Nothing changed.
+            RuntimeError: the stage change is refused (DDP). Nothing changed.
+        """
+        if not isinstance(state, Mapping) or set(state) != {"step", "milestones"}:
+            raise ValueError(
+                "UnfreezeSchedule.load_state_dict: expected a dict with keys 'step' and "
+                f"'milestones', got {state!r}"
+            )
+        step = state["step"]
+        if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
+            raise ValueError(
+                f"UnfreezeSchedule.load_state_dict: 'step' must be an integer >= 0, got {step!r}"
+            )
+        step = operator.index(step)
+        if list(state["milestones"]) != list(self._steps):
+            raise ValueError(
+                "UnfreezeSchedule.load_state_dict: the state was saved by a schedule with "
+                f"milestones at steps {list(state['milestones'])}, this one has "
+                f"{list(self._steps)}"
+            )
+        stage = self._stage_at(step)
+        if stage != self._stage or self._closed:
+            self._swap(stage)
+        self._step = step
+
+    # ------------------------------------------------------------------ the context
+    def _context_for(self, stage: int):
+        union = self._union(stage)
+        if union is None:
+            return None
+        kwargs = {"strict": self.strict, "freeze_norm_stats": self.freeze_norm_stats}
+        if not union:
+            return freeze(self.model, freeze_norm_stats=self.freeze_norm_stats)
+        return freeze_except(self.model, *union, **kwargs)
+
+    def _swap(self, stage: int, _apply_first: bool = False) -> None:
+        """Hold the context of ``stage`` instead of the current one, or change nothing."""
+        if self._closed:
+            raise RuntimeError("UnfreezeSchedule: the schedule was closed")
+        idx = index(self.model)
+        before = [p.requires_grad for p in idx.params]
+        new = self._context_for(stage)  # enters at once; a refusal raises here, nothing changed
+        old = self._context
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if old is not None:
+                old.__exit__(None, None, None)
+        changes = [
+            (path, p, p.requires_grad)
+            for (path, p), was in zip(idx, before)
+            if p.requires_grad is not was
+        ]
+        problems = [m for m in (_ddp_problem(*c) for c in changes) if m]
+        if problems:
+            where = "at construction" if _apply_first else f"to stage {stage}"
+            try:  # put the old context back first: the flags return without a transition
+                if old is not None:
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore")
+                        old.__enter__()
+            except BaseException as e:  # cannot go back: the new stage stands, and says so
+                self._context, self._stage = new, stage
+                self._next = self._steps[stage] if stage < len(self._steps) else math.inf
+                raise RuntimeError(
+                    f"UnfreezeSchedule: the change {where} is unsafe ({problems[0]}) and the "
+                    f"previous flags could not be restored ({e}); the schedule is now at "
+                    f"stage {stage}."
+                ) from e
+            if new is not None:
+                new.__exit__(None, None, None)
+            raise RuntimeError(
+                f"UnfreezeSchedule: the change {where} is refused: {problems[0]} The schedule "
+                f"stays at step {self._step}, stage {self._stage}; no flag was changed."
+            )
+        for w in caught:  # not a refusal: let the warnings the flag changes gave through
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        self._context, self._stage = new, stage
+        self._next = self._steps[stage] if stage < len(self._steps) else math.inf
