@@ -251,7 +251,7 @@ def draw_selector(data, scope, depth=0):
     if kind == "param":
         return data.draw(st.sampled_from(params), label="param")[1]
     items = [draw_selector(data, scope, depth + 1) for _ in range(data.draw(st.integers(1, 3)))]
-    if data.draw(st.booleans(), label="nest"):
+    if len(items) > 1 and data.draw(st.booleans(), label="nest"):  # an empty list is an error
         items = [items[0], tuple(items[1:])]
     return items if data.draw(st.booleans(), label="as_list") else tuple(items)
 

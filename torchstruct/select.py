@@ -71,15 +71,13 @@ def index(model: nn.Module) -> ParamIndex:
     return ParamIndex(tuple(params), tuple(tuple(ps) for ps in paths), modules)
 
 
-def _prefixes(path: str) -> Iterator[str]:
-    """``"a.b.c"`` -> ``"a"``, ``"a.b"``, ``"a.b.c"``."""
-    parts = path.split(".")
-    for k in range(1, len(parts) + 1):
-        yield ".".join(parts[:k])
-
-
 def _glob(pattern: str) -> Callable[[str, nn.Parameter], bool]:
-    return lambda path, _: any(fnmatch.fnmatchcase(pre, pattern) for pre in _prefixes(path))
+    """Whether some dotted prefix of the path (``a``, ``a.b``, ...) matches ``pattern``: one
+    regular expression, the pattern followed by an optional ``.rest``."""
+    inner = fnmatch.translate(pattern)
+    assert inner.endswith("\\Z")
+    match = re.compile(f"(?:{inner[:-2]})(?:\\..*)?", re.S).fullmatch
+    return lambda path, _: match(path) is not None
 
 
 def _closest(word: str, candidates: list[str], n: int = 5) -> str:
