@@ -10,6 +10,7 @@ Every public name is re-exported here from the one module that defines it:
 - :mod:`.grad`: structural gradients; :mod:`.within`: ``within_gradient``;
 - :mod:`.walk`: ``map_trainable``, ``polyak_update``;
 - :mod:`.clip`: ``global_norm``, ``clip_by_global_norm``;
+- :mod:`.groups`: ``param_groups``, ``layer_decay``;
 - :mod:`.summary`: ``summary``; :mod:`.optim`: fused masked optimizers;
 - :mod:`.distributed`: guards for DistributedDataParallel;
 - :mod:`._ops`: the seam between the compiled extension and ``_reference.py``.
@@ -21,6 +22,7 @@ from .clip import *  # noqa: F401,F403
 from .contexts import freeze, freeze_except, unfreeze
 from .declare import attach, detach_hooks, is_trainable, mark_trainable, trainable_parameters
 from .grad import *  # noqa: F401,F403
+from .groups import is_norm, layer_decay, param_groups
 from .select import select
 from .summary import summary
 from .walk import *  # noqa: F401,F403
