@@ -25,6 +25,12 @@ A step, in order:
 Parameters that are frozen at step time (``requires_grad`` false) are never
 read or written and get no ``optimizer.state`` entry, even with a stale
 ``.grad`` and weight decay.
+
+A param group may carry ``lr_scale`` (default 1, a finite number >= 0): it steps
+with ``lr * lr_scale``, so an LR scheduler rewriting ``lr`` keeps the ratios
+between groups. A group with ``lr_scale == 0`` is skipped like a frozen
+parameter: not read, not written, no new state, no step count, not part of the
+``max_grad_norm`` norm.
 """
 from __future__ import annotations
 
@@ -44,6 +50,23 @@ def _number(value, what: str) -> float:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{what} must be a number, got {value!r}") from None
+
+
+def _lr_scale(group: dict, where: str) -> float:
+    """The group's ``lr_scale`` (default 1), checked: a finite number >= 0."""
+    scale = group.get("lr_scale", 1.0)
+    if isinstance(scale, bool):
+        raise ValueError(f"{where}: lr_scale must be a number, got {scale!r}")
+    value = _number(scale, f"{where}: lr_scale")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{where}: lr_scale must be a finite number >= 0, got {scale!r}")
+    return value
+
+
+def _scaled_lr(group: dict) -> float:
+    """The learning rate a group steps with: ``lr * lr_scale``."""
+    scale = group.get("lr_scale", 1.0)
+    return float(group["lr"]) if scale == 1 else float(group["lr"]) * float(scale)
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -173,6 +196,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
         if math.isnan(lr) or lr < 0:
             raise ValueError(f"{type(self).__name__}: param group {index}: lr must be >= 0, "
                              f"got {group['lr']!r}")
+        _lr_scale(group, f"{type(self).__name__}: param group {index}")
 
     # Eager also under torch.compile: dynamo guards the parameters it reaches through
     # param_groups by identity only, so flags read in a compiled plan would be baked in. The
@@ -190,6 +214,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
         plan = []
         for index, group in enumerate(self.param_groups):
             self._check_group(index, group)
+            if group.get("lr_scale", 1.0) == 0:
+                continue  # a group scaled to 0 is skipped like a frozen parameter
             params = []
             for p in group["params"]:
                 if not p.requires_grad or p.grad is None or id(p) in seen:
