@@ -5,7 +5,8 @@
 - :func:`polyak_update` moves a model's trainable parameters towards a source (a model or a
   tree) in one fused, in-place pass: ``target <- (1 - tau) * target + tau * source``.
 
-Matching trees to a model (both functions):
+Matching trees to a model (both functions; a tree may also be a flat path-keyed dict such as
+a ``state_dict``, see :mod:`torchstruct.tree`):
 
 - A trainable parameter is visited once, at its first path in ``named_parameters()`` order
   (tied parameters included), and must have a leaf at that path in every tree (``ValueError``
