@@ -160,3 +160,14 @@ def test_blocks_without_parameters_keep_their_ids():
     assert "blocks.2" not in names  # no rule that would select nothing
     scales = scales_of(model, ts.param_groups(model, *rules))
     assert scales["blocks.3.fc.weight"] == 0.5 ** 2  # ids unchanged: block 4 of 5
+
+
+def test_nested_stacks_of_one_size_take_the_outermost():
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.heads = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList(Heads() for _ in range(3)))
+    rules = ts.layer_decay(model, 0.5)
+    assert [o["name"] for _, o in rules] == ["layer 0", "1.0", "1.1", "1.2"]

@@ -284,6 +284,8 @@ def _find_stack(model: nn.Module, layers) -> tuple[str, nn.Module]:
                          "or more blocks of one type; name the layer stack with layers=")
     most = max(len(m) for _, m in found)
     best = [(n, m) for n, m in found if len(m) == most]
+    # of stacks of one size nested in one another (per-head lists inside blocks), the outermost
+    best = [(n, m) for n, m in best if not any(n.startswith(o + ".") for o, _ in best)]
     if len(best) > 1:
         names = ", ".join(repr(n) for n, _ in best)
         raise ValueError(f"layer_decay: several layer stacks of {most} blocks: {names}; "
@@ -305,7 +307,8 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
         decay: the factor between neighbouring layers, in (0, 1].
         layers: the layer stack (an ``nn.ModuleList`` or ``nn.Sequential``), by path
             (``"encoder.layer"``) or as the module. ``None`` finds it: the largest list of at
-            least two blocks of one type that have parameters.
+            least two blocks of one type that have parameters (of equal ones nested in each
+            other, the outermost).
 
     Returns:
         A list of rules ``(selector, {"lr_scale": ..., "name": ...})``: one for the
