@@ -63,8 +63,9 @@ def test_hf_trainer_trains_saves_and_resumes_bitwise(tmp_path):
     names = [g["name"] for g in opt.param_groups]
     assert "layer 0" in names and "layer 0 (no decay)" in names and "layer 3" in names
     emb = straight.bert.embeddings.word_embeddings.weight
-    assert torch.equal(emb[:30], initial["bert.embeddings.word_embeddings.weight"][:30])
-    assert not torch.equal(emb[NEW_ROWS], initial["bert.embeddings.word_embeddings.weight"][NEW_ROWS])
+    start = initial["bert.embeddings.word_embeddings.weight"]
+    assert torch.equal(emb[:30], start[:30])
+    assert not torch.equal(emb[NEW_ROWS], start[NEW_ROWS])
 
     checkpoint = tmp_path / "a" / "checkpoint-4"
     assert (checkpoint / "optimizer.pt").exists()

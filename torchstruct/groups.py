@@ -196,8 +196,12 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
         >>> import torch.nn as nn, torchstruct as ts
         >>> m = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
         >>> groups = ts.param_groups(m, ("2", {"lr": 1e-3}), weight_decay=0.1)
-        >>> [(g["name"], g["param_names"], g.get("weight_decay")) for g in groups]
-        [('2', ['2.weight'], 0.1), ('2 (no decay)', ['2.bias'], 0.0), ('default', ['0.weight'], 0.1), ('default (no decay)', ['0.bias', '1.weight', '1.bias'], 0.0)]
+        >>> for g in groups:
+        ...     print(g["name"], g["param_names"], g["weight_decay"])
+        2 ['2.weight'] 0.1
+        2 (no decay) ['2.bias'] 0.0
+        default ['0.weight'] 0.1
+        default (no decay) ['0.bias', '1.weight', '1.bias'] 0.0
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"param_groups: expected an nn.Module, got {type(model).__name__}")
