@@ -116,3 +116,16 @@ def test_functional_call_roundtrip():
     y = torch.func.functional_call(model, halved, (torch.ones(1, 3),))
     with ts.swap(model, halved):
         assert torch.equal(model(torch.ones(1, 3)), y)
+
+
+def test_a_state_dict_with_buffers_is_refused_by_name():
+    model, other = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), nn.Sequential(
+        nn.Linear(2, 2), nn.BatchNorm1d(2))
+    sd = other.state_dict()
+    with pytest.raises(ValueError, match="'1.running_mean' is a buffer"):
+        ts.swap(model, sd)
+    with pytest.raises(ValueError, match="'1.running_mean', a buffer"):
+        ts.polyak_update(model, sd, 0.5)
+    params = {k: v for k, v in sd.items() if k in dict(model.named_parameters())}
+    ts.polyak_update(model, params, 1.0)
+    assert torch.equal(model[0].weight, other[0].weight)

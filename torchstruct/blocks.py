@@ -210,6 +210,11 @@ class swap(_SubstituteBlock):
                     f"{alias[path]!r} (that swaps all of its uses)"
                 )
             p = canonical.get(path)
+            if p is None and path in dict(model.named_buffers()):
+                raise ValueError(
+                    f"swap: {path!r} is a buffer of the model, not a parameter; swap replaces "
+                    f"parameters only (a state_dict holds buffers too: keep its parameter paths)"
+                )
             if p is None:
                 raise ValueError(
                     f"swap: {path!r} is not a parameter of the model; closest paths: "
