@@ -209,27 +209,45 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
         weight_decay = _check_number(weight_decay, "weight_decay", "argument")
     checked = [_check_rule(rule, i) for i, rule in enumerate(rules)]
     idx = index(model)
-    chosen = []
-    for i, (sel, options) in enumerate(checked):
-        picked = {id(p) for _, p in select(model, sel, strict=strict, idx=idx)}
-        if strict and not picked:
-            raise ValueError(f"param_groups: rule {i} ({_describe(sel, model, idx)!r}) selects "
-                             f"no parameter; closest paths: {_closest(str(sel), idx.all_paths())}"
-                             f" (pass strict=False to allow an empty rule)")
-        chosen.append(picked)
-    if isinstance(no_decay, str) and no_decay == "auto":
-        exempt = {id(p) for _, p in select(model, _auto_no_decay(model), strict=False, idx=idx)}
-    elif no_decay is None:
-        exempt = set()
-    else:
-        exempt = {id(p) for _, p in select(model, no_decay, strict=strict, idx=idx)}
-
-    slots = [[] for _ in range(len(checked) + 1)]  # the last one: the default group
-    for path, p in idx:
-        k = next((i for i, ids in enumerate(chosen) if id(p) in ids), len(checked))
-        slots[k].append((path, p))
+    chosen = [_picked(model, sel, i, strict, idx) for i, (sel, _) in enumerate(checked)]
+    exempt = _exempt(model, no_decay, strict, idx)
     specs = [(options, options.get("name") or _describe(sel, model, idx))
              for sel, options in checked] + [({}, "default")]
+    return _build(specs, _assign(idx, chosen), exempt, weight_decay)
+
+
+def _picked(model: nn.Module, sel, i: int, strict: bool, idx: ParamIndex) -> set:
+    """ids of the parameters rule ``i`` selects; with ``strict``, an empty rule raises."""
+    picked = {id(p) for _, p in select(model, sel, strict=strict, idx=idx)}
+    if strict and not picked:
+        what = _describe(sel, model, idx)
+        raise ValueError(f"param_groups: rule {i} ({what!r}) selects no parameter; closest "
+                         f"paths: {_closest(what, idx.all_paths())} (pass strict=False to allow "
+                         f"an empty rule)")
+    return picked
+
+
+def _exempt(model: nn.Module, no_decay, strict: bool, idx: ParamIndex) -> set:
+    """ids of the parameters without weight decay."""
+    if isinstance(no_decay, str) and no_decay == "auto":
+        return {id(p) for _, p in select(model, _auto_no_decay(model), strict=False, idx=idx)}
+    if no_decay is None:
+        return set()
+    return {id(p) for _, p in select(model, no_decay, strict=strict, idx=idx)}
+
+
+def _assign(idx: ParamIndex, chosen: list) -> list:
+    """Each parameter (canonical path) to the first rule that selects it, else the default
+    slot (the last)."""
+    slots = [[] for _ in range(len(chosen) + 1)]
+    for path, p in idx:
+        k = next((i for i, ids in enumerate(chosen) if id(p) in ids), len(chosen))
+        slots[k].append((path, p))
+    return slots
+
+
+def _build(specs: list, slots: list, exempt: set, weight_decay) -> list[dict]:
+    """The groups: each rule's slot split into its decaying and no-decay parts, named."""
     groups, taken, bases = [], set(), set()
     for (options, name), members in zip(specs, slots):
         name = _unique(name, bases)
