@@ -12,6 +12,7 @@ Every public name is re-exported here from the one module that defines it:
 - :mod:`.grad`: structural gradients; :mod:`.within`: ``within_gradient``;
 - :mod:`.walk`: ``map_trainable``, ``polyak_update``;
 - :mod:`.clip`: ``global_norm``, ``clip_by_global_norm``;
+- :mod:`.groups`: ``param_groups``, ``layer_decay``;
 - :mod:`.summary`: ``summary``; :mod:`.optim`: fused masked optimizers;
 - :mod:`.schedule`: ``UnfreezeSchedule``; :mod:`.checkpoint`: ``state_dict``,
   ``load_state_dict`` (trainable-only checkpoints);
@@ -28,6 +29,7 @@ from .declare import is_trainable, mark_trainable, trainable_parameters
 from .hooks import attach, detach_hooks
 from .grad import *  # noqa: F401,F403
 from .schedule import UnfreezeSchedule
+from .groups import is_norm, layer_decay, param_groups
 from .select import select
 from .summary import summary
 from .walk import *  # noqa: F401,F403

@@ -168,9 +168,10 @@ class swap(_SubstituteBlock):
 
     Arguments:
         model: the module whose parameters are replaced.
-        tree: a nested dict of tensors following the module tree (build one from dotted
-            paths with ``ts.tree.from_flat_dict``); ``None`` leaves are skipped. Each tensor
-            must have the shape, dtype and device of the parameter it replaces.
+        tree: a nested dict of tensors following the module tree, or a flat dict keyed by
+            dotted paths (``{"0.weight": t}``, as a ``state_dict``); ``None`` leaves are
+            skipped. Each tensor must have the shape, dtype and device of the parameter it
+            replaces.
 
     Returns:
         The context (use with ``with``, as a decorator, or call it bare to apply from now on).
@@ -209,6 +210,11 @@ class swap(_SubstituteBlock):
                     f"{alias[path]!r} (that swaps all of its uses)"
                 )
             p = canonical.get(path)
+            if p is None and path in dict(model.named_buffers()):
+                raise ValueError(
+                    f"swap: {path!r} is a buffer of the model, not a parameter; swap replaces "
+                    f"parameters only (a state_dict holds buffers too: keep its parameter paths)"
+                )
             if p is None:
                 raise ValueError(
                     f"swap: {path!r} is not a parameter of the model; closest paths: "

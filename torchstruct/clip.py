@@ -11,7 +11,7 @@ from torch import nn
 from . import _ops, tree
 from .declare import trainable_parameters
 
-__all__ = ["clip_by_global_norm", "global_norm"]
+__all__ = ["clip_by_global_norm", "clip_grad_norm_", "global_norm"]
 
 
 def _tensors(x) -> list[torch.Tensor]:
@@ -37,7 +37,8 @@ def global_norm(x, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all elements of ``x`` taken together, tied parameters once.
 
     Arguments:
-        x: an ``nn.Module`` (the gradients of its trainable parameters), a tree (its leaves;
+        x: an ``nn.Module`` (the gradients of its trainable parameters), a tree or a flat
+            path-keyed dict (its leaves;
             ``None`` leaves are skipped) or a tensor / iterable of tensors.
         norm_type: 1, 2, ``inf`` or any p > 0.
 
@@ -109,7 +110,8 @@ def clip_by_global_norm(
             ``None``, the list taken as given (exactly as ``clip_grad_norm_`` takes it: a
             parameter listed twice counts twice and is scaled twice);
             an ``nn.Module``: the gradients of its trainable parameters, a tied parameter once;
-            a tree (nested ``dict``) of gradient tensors, e.g. from ``ts.structural_grad``: its
+            a tree (nested ``dict``, or flat path-keyed ``dict``) of gradient tensors, e.g. from
+            ``ts.structural_grad``: its
             leaves themselves, a tensor held at several paths once (``None`` leaves skipped).
         max_norm: the largest allowed total norm, ``>= 0`` (``ValueError`` otherwise).
         norm_type: 1, 2, ``inf`` or any p > 0.
@@ -146,3 +148,7 @@ def clip_by_global_norm(
                 return norm
         grads = _grads_to_clip(params)
         return _ops.clip_by_global_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+
+
+clip_grad_norm_ = clip_by_global_norm
+"""``ts.clip_grad_norm_``: another name of :func:`clip_by_global_norm` (PyTorch's spelling)."""

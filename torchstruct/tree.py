@@ -14,8 +14,15 @@ Conventions shared by every function here:
   *absent*: it is skipped everywhere, exactly as if its key were missing.
   Empty dicts hold no leaves and are likewise invisible; functions that
   build trees never create them.
-* Keys are non-empty strings without ``"."`` (``ValueError`` otherwise, naming
-  the key); any other leaf type raises ``TypeError`` naming its path.
+* Keys are non-empty strings (``ValueError`` otherwise, naming the key); any
+  other leaf type raises ``TypeError`` naming its path.
+* A **flat path-keyed dict** (``{"0.weight": t}``, what ``state_dict`` and
+  ``torch.func.functional_call`` use) is a tree too: a key with ``"."`` stands
+  for the nested keys it joins (no empty component), and the two forms may be
+  mixed. Two keys naming the same path, or a leaf at a prefix of another
+  leaf's path, raise ``ValueError``. ``map`` and ``unflatten`` give back a flat
+  dict for a flat input (dotted keys, no nested dicts), a nested tree otherwise;
+  ``from_flat_dict`` / ``to_flat_dict`` convert between the forms.
 * Leaves are visited depth-first in insertion order.
 * A tensor object reachable at several paths is a *tied* leaf. ``paths``,
   ``leaves``, ``map`` and ``to_flat_dict`` visit it at each path;
@@ -59,28 +66,67 @@ Tree = dict  # a nested ``dict[str, Tree | Tensor | None]``
 # The two walkers: tree -> (path, leaf) pairs, and (path, leaf) pairs -> tree.
 # ---------------------------------------------------------------------------
 
-def _check_key(key: Any, parent: str) -> None:
+def _check_key(key: Any, parent: str) -> bool:
+    """Check one key; True when it is dotted (stands for several levels)."""
     where = repr(parent) if parent else "the root"
     if not isinstance(key, str):
         raise ValueError(f"tree keys must be strings; got {key!r} ({type(key).__name__}) under {where}")
-    if not key or "." in key:
-        raise ValueError(f"tree key {key!r} under {where} must be non-empty and contain no '.'")
+    if "." not in key:
+        if not key:
+            raise ValueError(f"tree key {key!r} under {where} must be non-empty")
+        return False
+    if not builtins.all(key.split(".")):
+        raise ValueError(f"tree key {key!r} under {where} has an empty component")
+    return True
 
 
-def _walk(tree: Tree, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(path, leaf)`` depth-first, validating keys and leaf types."""
+def _items(tree: Tree, prefix: str, dotted: list) -> Iterator[tuple[str, Tensor]]:
     if not isinstance(tree, dict):
         where = f"at {prefix!r}" if prefix else "at the root"
         raise TypeError(f"a tree must be a dict {where}; got {type(tree).__name__}")
     for key, value in tree.items():
-        _check_key(key, prefix)
+        if _check_key(key, prefix):
+            dotted[0] = True
         path = f"{prefix}.{key}" if prefix else key
         if isinstance(value, Tensor):
             yield path, value
         elif isinstance(value, dict):
-            yield from _walk(value, path)
+            yield from _items(value, path, dotted)
         elif value is not None:
             raise TypeError(f"tree leaf at {path!r} must be a Tensor, a dict or None; got {type(value).__name__}")
+
+
+def _walk(tree: Tree, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+    """``(path, leaf)`` depth-first, validating keys and leaf types. With dotted keys (a flat
+    path-keyed dict, or a mix), the paths are checked to name distinct, non-nested leaves."""
+    dotted = [False]
+    items = list(_items(tree, prefix, dotted))
+    if dotted[0]:
+        seen: set = set()
+        for path, _ in items:
+            if path in seen:
+                raise ValueError(f"duplicate path {path!r} (a dotted key and nested keys name "
+                                 f"the same leaf)")
+            seen.add(path)
+        for path, _ in items:
+            for pre in _prefixes(path):
+                if pre in seen:
+                    raise ValueError(f"conflicting paths {pre!r} and {path!r}: {pre!r} is a leaf")
+    return iter(items)
+
+
+def _prefixes(path: str) -> Iterator[str]:
+    """The proper prefixes of a dotted path: ``"a.b.c"`` -> ``"a"``, ``"a.b"``."""
+    parts = path.split(".")
+    for k in range(1, len(parts)):
+        yield ".".join(parts[:k])
+
+
+def _is_flat(tree: Tree) -> bool:
+    """A flat path-keyed dict: dotted keys and no nested dicts (without a dotted key, the
+    flat and the nested form of a dict are the same)."""
+    return (isinstance(tree, dict) and builtins.any("." in k for k in tree if isinstance(k, str))
+            and not builtins.any(isinstance(v, dict) for v in tree.values()))
 
 
 def _insert(root: Tree, path: Any, value: Any) -> None:
@@ -169,7 +215,8 @@ def map(f: Callable[..., Tensor | None], tree: Tree, *rest: Tree) -> Tree:
         f: called once per path of ``tree`` (in order) with the leaf of ``tree``
             and the leaves of each tree in ``rest`` at the same path. It returns a
             Tensor, or ``None`` to drop that leaf (dicts left empty are pruned).
-        tree: the tree whose structure the result takes.
+        tree: the tree whose structure the result takes (a flat path-keyed dict gives a
+            flat dict).
         *rest: trees with exactly the same paths as ``tree`` (their insertion
             order may differ; ``None`` leaves count as absent).
 
@@ -205,7 +252,16 @@ def map(f: Callable[..., Tensor | None], tree: Tree, *rest: Tree) -> Tree:
             extra = next(path for path in flat if path not in own)
             raise ValueError(f"tree structures differ: tree argument {i} has an extra leaf at {extra!r}")
         others.append(flat)
-    return from_flat_dict((path, f(leaf, *(o[path] for o in others))) for path, leaf in items)
+    results = ((path, f(leaf, *(o[path] for o in others))) for path, leaf in items)
+    if _is_flat(tree):  # a flat dict in, a flat dict out
+        out = {}
+        for path, value in results:
+            if value is not None and not isinstance(value, Tensor):
+                raise TypeError(f"leaf at {path!r} must be a Tensor or None; got {type(value).__name__}")
+            if value is not None:
+                out[path] = value
+        return out
+    return from_flat_dict(results)
 
 
 def reduce(f: Callable[[Any, Tensor], Any], tree: Tree, init: Any) -> Any:
@@ -264,6 +320,7 @@ class TreeSpec:
     Attributes:
         entries: one :class:`LeafSpec` per path, in tree order.
         dtype: the dtype of the flat vector (promotion of all leaf dtypes).
+        flat: the tree was a flat path-keyed dict (``unflatten`` gives one back).
 
     Properties:
         paths: the dotted paths, in order (tied leaves at each of their paths).
@@ -272,6 +329,7 @@ class TreeSpec:
 
     entries: tuple[LeafSpec, ...]
     dtype: torch.dtype
+    flat: bool = False
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -338,10 +396,11 @@ def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
             dtype = leaf.dtype if dtype is None else torch.promote_types(dtype, leaf.dtype)
         by_path[path] = entry
         entries.append(entry)
+    flat = _is_flat(tree)
     if dtype is None:
-        return torch.empty(0, dtype=torch.float32), TreeSpec((), torch.float32)
+        return torch.empty(0, dtype=torch.float32), TreeSpec((), torch.float32, flat)
     vector = torch.cat([c.to(dtype) for c in chunks])
-    return vector, TreeSpec(tuple(entries), dtype)
+    return vector, TreeSpec(tuple(entries), dtype, flat)
 
 
 def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
@@ -358,7 +417,8 @@ def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
         spec: the :class:`TreeSpec` returned by :func:`flatten`.
 
     Returns:
-        A tree with the paths ``spec.paths``.
+        A tree with the paths ``spec.paths`` (a flat path-keyed dict when ``spec`` was
+        made from one).
 
     Raises:
         TypeError: ``spec`` is not a TreeSpec or ``vector`` not a Tensor.
@@ -390,7 +450,7 @@ def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
             made[e.path] = made[e.alias_of]
         else:
             made[e.path] = vector[e.offset : e.offset + e.numel].view(e.shape).to(e.dtype)
-    return from_flat_dict(made)
+    return made if spec.flat else from_flat_dict(made)
 
 
 def from_module(model: nn.Module, *, buffers: bool = False) -> Tree:

@@ -5,7 +5,8 @@
 - :func:`polyak_update` moves a model's trainable parameters towards a source (a model or a
   tree) in one fused, in-place pass: ``target <- (1 - tau) * target + tau * source``.
 
-Matching trees to a model (both functions):
+Matching trees to a model (both functions; a tree may also be a flat path-keyed dict such as
+a ``state_dict``, see :mod:`torchstruct.tree`):
 
 - A trainable parameter is visited once, at its first path in ``named_parameters()`` order
   (tied parameters included), and must have a leaf at that path in every tree (``ValueError``
@@ -45,8 +46,15 @@ def _leaves_for(model: nn.Module, pairs: Pairs, tree: dict, what: str) -> list[t
     flat = _tree.to_flat_dict(tree)
     idx = index(model)
     first = {path: ps[0] for ps in idx.paths for path in ps}
+    buffers = None
     for path, leaf in flat.items():
         if path not in first:
+            buffers = {n for n, _ in model.named_buffers()} if buffers is None else buffers
+            if path in buffers:
+                raise ValueError(
+                    f"{what} has a leaf at {path!r}, a buffer of the model, not a parameter "
+                    f"(a state_dict holds buffers too: keep its parameter paths only)"
+                )
             raise ValueError(
                 f"{what} has a leaf at {path!r}, which is not a parameter path of the model; "
                 f"closest: {_closest(path, idx.all_paths())}"

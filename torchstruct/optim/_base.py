@@ -25,6 +25,12 @@ A step, in order:
 Parameters that are frozen at step time (``requires_grad`` false) are never
 read or written and get no ``optimizer.state`` entry, even with a stale
 ``.grad`` and weight decay.
+
+A param group may carry ``lr_scale`` (default 1, a finite number >= 0): it steps
+with ``lr * lr_scale``, so an LR scheduler rewriting ``lr`` keeps the ratios
+between groups. A group with ``lr_scale == 0`` is skipped like a frozen
+parameter: not read, not written, no new state, no step count, not part of the
+``max_grad_norm`` norm.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ import torch
 
 from .. import _dtensor, _ops
 from .._reference import FLOAT_DTYPES, validate_norm_type
+from ..select import _closest
 
 __all__ = ["MaskedOptimizer"]
 
@@ -44,6 +51,23 @@ def _number(value, what: str) -> float:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{what} must be a number, got {value!r}") from None
+
+
+def _lr_scale(group: dict, where: str) -> float:
+    """The group's ``lr_scale`` (default 1), checked: a finite number >= 0."""
+    scale = group.get("lr_scale", 1.0)
+    if isinstance(scale, bool):
+        raise ValueError(f"{where}: lr_scale must be a number, got {scale!r}")
+    value = _number(scale, f"{where}: lr_scale")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{where}: lr_scale must be a finite number >= 0, got {scale!r}")
+    return value
+
+
+def _scaled_lr(group: dict) -> float:
+    """The learning rate a group steps with: ``lr * lr_scale``."""
+    scale = group.get("lr_scale", 1.0)
+    return float(group["lr"]) if scale == 1 else float(group["lr"]) * float(scale)
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -105,6 +129,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
         if masks:
             checked = {}
             for p, mask in dict(masks).items():
+                p = self._param_named(p)
                 self._check_mask(p, mask, require_member=True)
                 checked[p] = mask
             self.masks.update(checked)
@@ -124,12 +149,105 @@ class MaskedOptimizer(torch.optim.Optimizer):
     def set_mask(self, param: torch.Tensor, mask: Optional[torch.Tensor]) -> None:
         """Restrict the updates of ``param`` to the elements where ``mask`` is True
         (a bool tensor of ``param``'s shape, on its device); ``None`` removes the
-        mask. Masked-out elements, and their state, stay bitwise unchanged."""
+        mask. Masked-out elements, and their state, stay bitwise unchanged.
+        ``param`` may be given by its path when the param groups carry
+        ``param_names`` (``ts.param_groups``, ``named_parameters()``)."""
+        param = self._param_named(param)
         if mask is None:
             self.masks.pop(param, None)
             return
         self._check_mask(param, mask, require_member=True)
         self.masks[param] = mask
+
+    def _param_named(self, key):
+        """``key`` itself, or the parameter whose ``param_names`` entry is ``key`` (a str)."""
+        if not isinstance(key, str):
+            return key
+        names = []
+        for group in self.param_groups:
+            for name, p in zip(group.get("param_names", ()), group["params"]):
+                if name == key:
+                    return p
+                names.append(name)
+        if not names:
+            raise ValueError(f"{type(self).__name__}: masks: {key!r} names no parameter: the "
+                             f"param groups carry no param_names (build them with "
+                             f"ts.param_groups or from named_parameters())")
+        raise ValueError(f"{type(self).__name__}: masks: {key!r} names no parameter of this "
+                         f"optimizer; closest: {_closest(key, names)}")
+
+    # -- state_dict: the masks travel with the state -------------------------
+
+    @torch._disable_dynamo
+    def state_dict(self):
+        """torch's optimizer state dict, plus ``"masks"``: ``{index: bool tensor}`` keyed
+        by the same parameter indices as ``"state"``, so a resumed run needs no ``masks=``."""
+        out = super().state_dict()
+        order = self._param_order()
+        out["masks"] = {order[id(p)]: m for p, m in self.masks.items() if id(p) in order}
+        return out
+
+    @torch._disable_dynamo
+    def load_state_dict(self, state_dict) -> None:
+        """torch's ``load_state_dict``, after checking the saved masks (bool, the
+        parameter's shape; moved to its device) and the shapes of the saved per-element
+        state against the parameters: on any error nothing is changed. A state dict
+        without ``"masks"`` (e.g. from ``torch.optim``) keeps the current masks; one with
+        ``"masks"`` replaces them."""
+        by_index = self._saved_index(state_dict)
+        if by_index is None:  # the groups do not match: torch's own check raises
+            return super().load_state_dict(state_dict)
+        name = type(self).__name__
+        for k, entry in dict(state_dict.get("state", {})).items():
+            p = by_index.get(k)
+            if p is None or not isinstance(entry, dict):
+                continue
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and value.dim() and value.shape != p.shape:
+                    raise ValueError(f"{name}: load_state_dict: state {key!r} of "
+                                     f"{self._label(p)} has shape {tuple(value.shape)}")
+        masks = None
+        if "masks" in state_dict:
+            saved = state_dict["masks"]
+            if not isinstance(saved, dict):
+                raise ValueError(f"{name}: load_state_dict: 'masks' must be a dict, got "
+                                 f"{type(saved).__name__}")
+            masks = {}
+            for k, mask in saved.items():
+                p = by_index.get(k)
+                if p is None:
+                    raise ValueError(f"{name}: load_state_dict: a mask for parameter index "
+                                     f"{k!r}, which the saved param groups do not list")
+                if isinstance(mask, torch.Tensor) and mask.device != p.device:
+                    mask = mask.to(p.device)
+                self._check_mask(p, mask)
+                masks[p] = mask
+        super().load_state_dict(state_dict)
+        if masks is not None:
+            self.masks = masks
+
+    def _param_order(self) -> Dict[int, int]:
+        """id(param) -> its index in a state dict (torch's numbering)."""
+        order: Dict[int, int] = {}
+        start = 0
+        for group in self.param_groups:
+            for i, p in enumerate(group["params"], start):
+                order.setdefault(id(p), i)
+            start += len(group["params"])
+        return order
+
+    def _saved_index(self, state_dict) -> Optional[Dict[int, torch.Tensor]]:
+        """saved parameter index -> parameter, or None when the groups do not match."""
+        saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        if not isinstance(saved, list) or len(saved) != len(self.param_groups):
+            return None
+        out = {}
+        for sg, group in zip(saved, self.param_groups):
+            ids = sg.get("params") if isinstance(sg, dict) else None
+            if not isinstance(ids, list) or len(ids) != len(group["params"]):
+                return None
+            out.update(zip(ids, group["params"]))
+        return out
 
     def _label(self, param: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
@@ -173,6 +291,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
         if math.isnan(lr) or lr < 0:
             raise ValueError(f"{type(self).__name__}: param group {index}: lr must be >= 0, "
                              f"got {group['lr']!r}")
+        _lr_scale(group, f"{type(self).__name__}: param group {index}")
 
     # Eager also under torch.compile: dynamo guards the parameters it reaches through
     # param_groups by identity only, so flags read in a compiled plan would be baked in. The
@@ -190,6 +309,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
         plan = []
         for index, group in enumerate(self.param_groups):
             self._check_group(index, group)
+            if group.get("lr_scale", 1.0) == 0:
+                continue  # a group scaled to 0 is skipped like a frozen parameter
             params = []
             for p in group["params"]:
                 if not p.requires_grad or p.grad is None or id(p) in seen:

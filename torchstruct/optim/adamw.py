@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _ops
-from ._base import MaskedOptimizer, _number
+from ._base import MaskedOptimizer, _number, _scaled_lr
 
 __all__ = ["AdamW"]
 
@@ -23,6 +23,10 @@ class AdamW(MaskedOptimizer):
       into the update (the gradients are read, never written). The last total norm
       is ``optimizer.last_grad_norm``.
     * ``norm_type``: the order of that norm (default 2).
+
+    A param group may set ``lr_scale`` (default 1): it steps with ``lr * lr_scale``
+    (schedulers rewrite ``lr`` and keep the ratios); ``lr_scale=0`` leaves the group
+    bitwise unchanged, state included.
 
     Frozen parameters (``requires_grad`` false at step time) are never touched and
     get no state. State is torch's (``step``, ``exp_avg``, ``exp_avg_sq``,
@@ -99,7 +103,7 @@ class AdamW(MaskedOptimizer):
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
         _ops.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks,
-                         lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                         lr=_scaled_lr(group), beta1=float(beta1), beta2=float(beta2),
                          weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                          amsgrad=amsgrad, maximize=bool(group["maximize"]),
                          clip_coef=clip_coef, grad_scale=grad_scale, found_inf=found_inf)

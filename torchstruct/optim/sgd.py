@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _ops
-from ._base import MaskedOptimizer, _number
+from ._base import MaskedOptimizer, _number, _scaled_lr
 
 __all__ = ["SGD"]
 
@@ -22,6 +22,10 @@ class SGD(MaskedOptimizer):
       into the update (the gradients are read, never written). The last total norm
       is ``optimizer.last_grad_norm``.
     * ``norm_type``: the order of that norm (default 2).
+
+    A param group may set ``lr_scale`` (default 1): it steps with ``lr * lr_scale``
+    (schedulers rewrite ``lr`` and keep the ratios); ``lr_scale=0`` leaves the group
+    bitwise unchanged, state included.
 
     Frozen parameters (``requires_grad`` false at step time) are never touched and
     get no state. State is torch's: ``state[p]["momentum_buffer"]`` when momentum
@@ -68,7 +72,7 @@ class SGD(MaskedOptimizer):
 
     def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf):
         momentum = float(group["momentum"])
-        kwargs = dict(lr=float(group["lr"]), momentum=momentum,
+        kwargs = dict(lr=_scaled_lr(group), momentum=momentum,
                       dampening=float(group["dampening"]),
                       weight_decay=float(group["weight_decay"]), nesterov=bool(group["nesterov"]),
                       maximize=bool(group["maximize"]), clip_coef=clip_coef,
