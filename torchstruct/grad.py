@@ -22,6 +22,7 @@ Rules shared by all three:
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 
 from . import _dtensor
 from . import tree as _tree
+from .distributed import average_gradients, ddp_wrapper
 from .declare import trainable_parameters
 from .select import index, select
 
@@ -151,13 +153,28 @@ def structural_grad(
         True
     """
     asked = _asked(model, wrt)
+    ddp = ddp_wrapper(model)
+
+    def local() -> list:
+        return _local(model, loss, asked, wrt, retain_graph, create_graph)
+
+    if ddp is None:
+        grads = local()
+    else:
+        grads = average_gradients(ddp, [p for _, p in asked], local,
+                                  tensor_loss=not callable(loss), create_graph=create_graph)
+    return _tree.from_flat_dict((path, g) for (path, _), g in zip(asked, grads))
+
+
+def _local(model: nn.Module, loss, asked: Pairs, wrt, retain_graph, create_graph) -> list:
+    """This process's gradients of ``loss`` w.r.t. ``asked``, in order."""
     if not callable(loss):
         _check_frozen(_check_loss(loss), asked)
-        return _grads(loss, asked, retain_graph, create_graph)
+        return _grads(model, loss, asked, retain_graph, create_graph)
     if wrt is None:
-        return _grads(_called(loss, model, asked), asked, retain_graph, create_graph)
+        return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
     with _only(model, asked):  # autograd.grad also needs the flags on
-        return _grads(_called(loss, model, asked), asked, retain_graph, create_graph)
+        return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
 
 
 def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
@@ -173,21 +190,162 @@ def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
     return loss
 
 
-def _grads(loss: torch.Tensor, asked: Pairs, retain_graph, create_graph) -> dict:
-    """``torch.autograd.grad`` of ``loss`` w.r.t. exactly ``asked``, as a tree (zeros if unused)."""
+def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, create_graph) -> list:
+    """The gradients of ``loss`` w.r.t. ``asked``, in order (zeros for an unused parameter).
+
+    ``torch.autograd.grad`` over the asked parameters the graph reaches; through reentrant
+    activation checkpointing (opaque to it), the exact path of :func:`_grads_by_backward`.
+    """
     if not asked:
-        return {}
+        return []
     _check_requires_grad(loss)
-    grads = torch.autograd.grad(
-        loss,
-        [p for _, p in asked],
-        allow_unused=True,
-        retain_graph=retain_graph,
-        create_graph=create_graph,
+    nodes, checkpoints = _walk(loss)
+    if checkpoints:
+        grads = _grads_by_backward(model, loss, asked, nodes, checkpoints, retain_graph,
+                                   create_graph)
+    else:
+        reached = [i for i, (_, p) in enumerate(asked) if _leaf_node(p) in nodes]
+        if not reached:
+            raise ValueError(_unreachable(asked))
+        found = torch.autograd.grad(
+            loss,
+            [asked[i][1] for i in reached],
+            allow_unused=True,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+        )
+        grads = [None] * len(asked)
+        for i, g in zip(reached, found):
+            grads[i] = g
+    return [torch.zeros_like(p) if g is None else g for (_, p), g in zip(asked, grads)]
+
+
+def _leaf_node(p: torch.Tensor):
+    """The node that accumulates ``p``'s gradient (the one a graph through ``p`` leads to)."""
+    return torch.autograd.graph.get_gradient_edge(p).node
+
+
+def _walk(loss: torch.Tensor) -> tuple[set, list]:
+    """Every backward node reachable from ``loss``, and the reentrant checkpoints among them."""
+    seen, checkpoints, stack = set(), [], [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if _is_reentrant_checkpoint(node):
+            checkpoints.append(node)
+        stack.extend(f for f, _ in node.next_functions)
+    return seen, checkpoints
+
+
+def _is_reentrant_checkpoint(node) -> bool:
+    """A custom autograd function named like a checkpoint (``torch.utils.checkpoint`` with
+    ``use_reentrant=True``, and the implementations modelled on it): its backward recomputes
+    the forward and runs an inner backward that writes ``.grad``, out of sight of this graph."""
+    cls = getattr(node, "_forward_cls", None)
+    return cls is not None and "checkpoint" in cls.__name__.lower()
+
+
+def _unreachable(asked: Pairs) -> str:
+    names = ", ".join(repr(path) for path, _ in asked[:3])
+    more = f" and {len(asked) - 3} more" if len(asked) > 3 else ""
+    return (
+        f"structural_grad: the loss reaches none of the asked parameters ({names}{more}): it was "
+        "computed from another model, from copies of the parameters (.detach(), .data, "
+        "torch.func.functional_call with other tensors), or by a forward that does not use "
+        "them. A zero gradient here would hide the mistake; compute the loss from this model, "
+        "or ask (wrt=) for parameters it uses"
     )
-    return _tree.from_flat_dict(
-        (path, torch.zeros_like(p) if g is None else g) for (path, p), g in zip(asked, grads)
-    )
+
+
+def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list, retain_graph,
+                       create_graph) -> list:
+    """The asked gradients by ``torch.autograd.backward(loss)``, exactly as ``.backward()``.
+
+    A reentrant checkpoint's backward refuses ``torch.autograd.grad`` and a ``backward`` with
+    ``inputs``, and accumulates into ``.grad`` from an inner backward. So: exactly the asked
+    parameters of the model require grad (the recomputation records nothing for the others),
+    every other leaf the loss visibly reaches and every parameter of a module the checkpointed
+    functions are bound to stop requiring grad (nothing accumulates into them), the asked
+    ``.grad`` fields start empty; afterwards every ``.grad`` and flag is put back.
+    """
+    if create_graph:
+        raise RuntimeError(
+            "structural_grad: create_graph=True through reentrant activation checkpointing "
+            "(torch.utils.checkpoint with use_reentrant=True): its backward runs an inner "
+            "backward that records no graph, so the gradients would silently not be "
+            "differentiable through the checkpointed part. Use use_reentrant=False (HF: "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+            "False}))"
+        )
+    _check_no_backward_side_effects(model, asked, nodes)
+    ids = {id(p) for _, p in asked}
+    others = [n.variable for n in nodes if hasattr(n, "variable")]
+    others += [p for node in checkpoints for m in _modules_behind(node.run_function)
+               for p in m.parameters()]
+    with _only(model, asked):
+        off = list({id(t): t for t in others if id(t) not in ids and t.requires_grad}.values())
+        saved = [(p, p.grad) for _, p in asked]
+        try:
+            for t in off:
+                t.requires_grad_(False)
+            for p, _ in saved:
+                p.grad = None
+            torch.autograd.backward(loss, retain_graph=retain_graph)
+            grads = [p.grad for _, p in asked]
+        finally:
+            for p, g in saved:
+                p.grad = g
+            for t in off:
+                t.requires_grad_(True)
+    if all(g is None for g in grads):
+        raise ValueError(_unreachable(asked))
+    return grads
+
+
+def _check_no_backward_side_effects(model: nn.Module, asked: Pairs, nodes: set) -> None:
+    """``backward`` runs hooks that ``autograd.grad`` never runs: refuse where they would act."""
+    ddp = ddp_wrapper(model)
+    if ddp is not None and ddp.static_graph:
+        raise RuntimeError(
+            "structural_grad: reentrant activation checkpointing on a DistributedDataParallel "
+            "model built with static_graph=True: the exact path runs a backward whose hooks "
+            "the reducer would count as a training step. Use use_reentrant=False"
+        )
+    paths = {id(p): path for path, p in index(model)}
+    leaves = [p for _, p in asked] + [n.variable for n in nodes if hasattr(n, "variable")]
+    for t in leaves:
+        if t._post_accumulate_grad_hooks:
+            where = repr(paths[id(t)]) if id(t) in paths else "a tensor outside the model"
+            raise RuntimeError(
+                f"structural_grad: {where} has a post-accumulate-grad hook (an optimizer step "
+                "in backward?), and reentrant activation checkpointing needs a real backward "
+                "to get the gradients, which would run it. Use use_reentrant=False, or remove "
+                "the hook for this call"
+            )
+
+
+def _modules_behind(fn, depth: int = 4):
+    """The modules a checkpointed function is bound to, as far as they can be seen: a module,
+    a bound method's object, a partial's function and arguments, a closure's cells, lists."""
+    if depth < 0:
+        return
+    if isinstance(fn, nn.Module):
+        yield fn
+    elif isinstance(fn, (list, tuple)):
+        for f in fn:
+            yield from _modules_behind(f, depth - 1)
+    elif isinstance(fn, functools.partial):
+        for f in (fn.func, *fn.args, *fn.keywords.values()):
+            yield from _modules_behind(f, depth - 1)
+    elif callable(fn):
+        yield from _modules_behind(getattr(fn, "__self__", None), depth - 1)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                yield from _modules_behind(cell.cell_contents, depth - 1)
+            except ValueError:  # an empty cell
+                pass
 
 
 def _split_aux(out, has_aux: bool):
