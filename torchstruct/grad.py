@@ -23,10 +23,12 @@ Rules shared by all three:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_mod
 
 from . import _dtensor
 from . import tree as _tree
@@ -99,12 +101,18 @@ def _check_frozen(loss: torch.Tensor, asked: Pairs) -> None:
         )
 
 
-def _check_requires_grad(loss: torch.Tensor) -> None:
+def _check_requires_grad(loss: torch.Tensor, asked: Pairs) -> None:
     if not loss.requires_grad:
         raise ValueError(
             "structural_grad: the loss does not require grad (computed under torch.no_grad(), or "
-            "from frozen parameters only)"
+            f"from frozen parameters only; it reaches none of {_names(asked)})"
         )
+
+
+def _names(asked: Pairs) -> str:
+    """The first asked paths, for a message."""
+    more = f" and {len(asked) - 3} more" if len(asked) > 3 else ""
+    return ", ".join(repr(path) for path, _ in asked[:3]) + more
 
 
 def structural_grad(
@@ -178,8 +186,20 @@ def _local(model: nn.Module, loss, asked: Pairs, wrt, retain_graph, create_graph
 
 
 def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
-    """``loss_fn(model)``, checked; an asked parameter switched off during the call is an error."""
-    loss = _check_loss(loss_fn(model))
+    """``loss_fn(model)``, checked; an asked parameter switched off during the call, or used
+    inside a reentrant checkpoint that records nothing, is an error."""
+    with _DeadCheckpoints(model, asked) as watch:
+        loss = _check_loss(loss_fn(model))
+    if watch.blind:
+        raise ValueError(
+            f"structural_grad: {watch.blind[0]!r} is used inside a reentrant activation "
+            "checkpoint (use_reentrant=True) none of whose inputs requires grad, so autograd "
+            "records nothing there and its gradient would be missing (.backward() misses it "
+            "too). With wrt=, only the asked parameters require grad during the forward, so the "
+            "layers before the checkpoint may no longer make its input require grad. Use "
+            "use_reentrant=False, or make the checkpoint's input require grad (HF: "
+            "model.enable_input_require_grads())"
+        )
     off = [path for path, p in asked if not p.requires_grad]
     if off:
         raise RuntimeError(
@@ -198,7 +218,7 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
     """
     if not asked:
         return []
-    _check_requires_grad(loss)
+    _check_requires_grad(loss, asked)
     nodes, checkpoints = _walk(loss)
     if checkpoints:
         grads = _grads_by_backward(model, loss, asked, nodes, checkpoints, retain_graph,
@@ -248,10 +268,8 @@ def _is_reentrant_checkpoint(node) -> bool:
 
 
 def _unreachable(asked: Pairs) -> str:
-    names = ", ".join(repr(path) for path, _ in asked[:3])
-    more = f" and {len(asked) - 3} more" if len(asked) > 3 else ""
     return (
-        f"structural_grad: the loss reaches none of the asked parameters ({names}{more}): it was "
+        f"structural_grad: the loss reaches none of the asked parameters ({_names(asked)}): it was "
         "computed from another model, from copies of the parameters (.detach(), .data, "
         "torch.func.functional_call with other tensors), or by a forward that does not use "
         "them. A zero gradient here would hide the mistake; compute the loss from this model, "
@@ -346,6 +364,53 @@ def _modules_behind(fn, depth: int = 4):
                 yield from _modules_behind(cell.cell_contents, depth - 1)
             except ValueError:  # an empty cell
                 pass
+
+
+class _DeadCheckpoints:
+    """Watches a forward for asked parameters used inside a reentrant checkpoint that got no
+    input requiring grad (it runs its function under ``no_grad`` and records nothing, so their
+    gradient is lost without a trace in the graph).
+
+    A global forward pre-hook, present only during the call, looks at the modules that own an
+    asked parameter when they run with grad disabled, and finds the checkpoint's ``forward``
+    among the calling frames of this thread.
+    """
+
+    def __init__(self, model: nn.Module, asked: Pairs) -> None:
+        paths = {id(p): path for path, p in asked}
+        self.owners: dict[int, list[str]] = {}
+        for m in model.modules():
+            own = [paths[id(p)] for p in m._parameters.values() if p is not None and id(p) in paths]
+            if own:
+                self.owners[id(m)] = own
+        self.blind: list[str] = []
+
+    def __enter__(self) -> "_DeadCheckpoints":
+        self.handle = _module_mod.register_module_forward_pre_hook(self._seen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _seen(self, module: nn.Module, args) -> None:
+        if torch.is_grad_enabled():
+            return
+        own = self.owners.get(id(module))
+        if own and _in_dead_checkpoint(sys._getframe(1)):
+            self.blind.extend(p for p in own if p not in self.blind)
+
+
+def _in_dead_checkpoint(frame) -> bool:
+    """Whether ``frame`` runs inside a reentrant checkpoint's forward none of whose tensor
+    inputs requires grad (the innermost such forward decides)."""
+    while frame is not None:
+        if frame.f_code.co_name == "forward":
+            ctx = frame.f_locals.get("ctx")
+            if ctx is not None and _is_reentrant_checkpoint(ctx):
+                args = frame.f_locals.get("args", ())
+                return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        frame = frame.f_back
+    return False
 
 
 def _split_aux(out, has_aux: bool):
