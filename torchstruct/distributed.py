@@ -19,6 +19,13 @@ it is, and the block-local ``stop_gradient``/``constant``/``swap`` (they change 
 always fine. ``global_norm`` and ``clip_by_global_norm`` on a DDP model read the gradients after
 DDP averaged them, so they give the global answer on every rank.
 
+``structural_grad`` / ``value_and_grad`` on a DDP model (the wrapper, or its module) give the
+averaged gradient too: the loss callable runs under ``ddp.no_sync()`` (so DDP's reducer expects
+no backward), this rank's gradients come from ``torch.autograd.grad``, and one all-reduce per
+device and dtype averages them as DDP's reducer does (divided by the world size, then summed).
+What a plain average cannot reproduce (a communication hook, mixed precision) is refused, and
+an error on one rank is an error on every rank, never a hang.
+
 **FSDP2** (``fully_shard``) needs no guard: it copies the sharded parameters' flags to the
 gathered ones at every forward, so what trains may change between steps. Its DTensor
 parameters and gradients are handled where the ops meet the kernels (``torchstruct._dtensor``).

@@ -9,11 +9,20 @@ Rules shared by all three:
 
 - A tied parameter (one object at several paths) has one leaf, at its first path in
   ``named_parameters()`` order, holding the total gradient over every use.
-- Gradients come from ``torch.autograd.grad(loss, asked, allow_unused=True)``: no ``.grad`` is
-  read or written, and autograd runs only the part of the graph that leads to the asked
-  parameters (the weight-gradient products of the others are never computed).
-- An asked parameter the loss does not depend on gets ``torch.zeros_like(param)``: a tree always
-  has one leaf per asked parameter, so it can be fed to an update or a norm as is.
+- Gradients come from ``torch.autograd.grad`` over the asked parameters the loss reaches: no
+  ``.grad`` is read or written, and autograd runs only the part of the graph that leads to the
+  asked parameters (the weight-gradient products of the others are never computed).
+- Reentrant activation checkpointing (``use_reentrant=True``) hides the parameters inside it
+  from ``torch.autograd.grad``; a loss whose graph holds such a checkpoint is differentiated by
+  ``torch.autograd.backward``, exactly as ``.backward()`` would, with every ``.grad`` field and
+  flag it could touch saved and restored (``create_graph=True`` is refused there).
+- An asked parameter the loss does not reach gets ``torch.zeros_like(param)`` (unused by this
+  forward) as long as the loss reaches another asked parameter: a tree always has one leaf per
+  asked parameter. A loss that reaches none of them (another model, detached copies) is an
+  error naming them, and so is an asked parameter used inside a reentrant checkpoint that
+  records nothing (none of its inputs requires grad).
+- On a model wrapped by ``DistributedDataParallel`` (the wrapper or its module), the gradients
+  are averaged over the ranks, as ``backward()`` leaves them (see :mod:`.distributed`).
 - When ``loss`` is a callable and ``wrt`` is given, the forward runs with exactly the asked
   parameters requiring grad (every other parameter of the model has ``requires_grad=False``
   during the call; all flags are restored afterwards, also when the call raises). Declarations
@@ -139,16 +148,23 @@ def structural_grad(
 
     Returns:
         A tree with one leaf per asked parameter (a tied parameter once, at its first path, with
-        the total gradient over all its uses). A parameter the loss does not depend on gets
-        ``torch.zeros_like(param)``. No ``.grad`` field is read or written.
+        the total gradient over all its uses). A parameter the loss does not reach gets
+        ``torch.zeros_like(param)`` when the loss reaches another asked parameter. No ``.grad``
+        field is left changed. Under DDP: the gradients averaged over the ranks.
 
     Raises:
         TypeError: ``model`` is not a module, or ``loss`` is neither tensor nor callable, or the
             callable does not return a tensor.
         ValueError: the loss is not a scalar or does not require grad; an asked parameter does
             not require grad when ``loss`` is a tensor (it has no graph; the message names its
-            path); a ``wrt`` selector matching nothing (closest paths named).
-        RuntimeError: an asked parameter stopped requiring grad while the loss callable ran.
+            path); a ``wrt`` selector matching nothing (closest paths named); the loss reaches
+            none of the asked parameters (paths named); an asked parameter is used inside a
+            reentrant checkpoint none of whose inputs requires grad; under DDP, a tensor loss
+            outside ``ddp.no_sync()``, or ``create_graph=True``.
+        RuntimeError: an asked parameter stopped requiring grad while the loss callable ran;
+            ``create_graph=True`` through reentrant checkpointing, or a post-accumulate-grad
+            hook that its exact path would run; under DDP, a communication hook or mixed
+            precision, or an error on another rank.
 
     Example:
         >>> import torch, torch.nn as nn, torchstruct as ts
