@@ -153,7 +153,8 @@ def _check_plain_average(ddp, tensor_loss: bool, create_graph: bool) -> None:
             "under ddp.no_sync()), or compute the loss and call structural_grad inside the "
             "same `with ddp.no_sync():` block"
         )
-    hook = ddp._get_ddp_logging_data().get("comm_hook")
+    logger = getattr(ddp, "logger", None)
+    hook = logger is not None and ddp._get_ddp_logging_data().get("comm_hook")
     if hook and hook not in ("allreduce_hook", "BuiltinCommHookType.ALLREDUCE"):
         raise RuntimeError(
             f"structural_grad: the DistributedDataParallel model has the communication hook "

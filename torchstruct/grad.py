@@ -316,8 +316,9 @@ def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list,
     _check_no_backward_side_effects(model, asked, nodes)
     ids = {id(p) for _, p in asked}
     others = [n.variable for n in nodes if hasattr(n, "variable")]
-    others += [p for node in checkpoints for m in _modules_behind(node.run_function)
-               for p in m.parameters()]
+    for node in checkpoints:
+        for m in _modules_behind(getattr(node, "run_function", None)):
+            others.extend(m.parameters())
     with _only(model, asked):
         off = list({id(t): t for t in others if id(t) not in ids and t.requires_grad}.values())
         saved = [(p, p.grad) for _, p in asked]
@@ -350,7 +351,7 @@ def _check_no_backward_side_effects(model: nn.Module, asked: Pairs, nodes: set) 
     paths = {id(p): path for path, p in index(model)}
     leaves = [p for _, p in asked] + [n.variable for n in nodes if hasattr(n, "variable")]
     for t in leaves:
-        if t._post_accumulate_grad_hooks:
+        if getattr(t, "_post_accumulate_grad_hooks", None):
             where = repr(paths[id(t)]) if id(t) in paths else "a tensor outside the model"
             raise RuntimeError(
                 f"structural_grad: {where} has a post-accumulate-grad hook (an optimizer step "
