@@ -287,9 +287,9 @@ def _unreachable(asked: Pairs) -> str:
     return (
         f"structural_grad: the loss reaches none of the asked parameters ({_names(asked)}): it was "
         "computed from another model, from copies of the parameters (.detach(), .data, "
-        "torch.func.functional_call with other tensors), or by a forward that does not use "
-        "them. A zero gradient here would hide the mistake; compute the loss from this model, "
-        "or ask (wrt=) for parameters it uses"
+        "ts.stop_gradient, torch.func.functional_call with other tensors), or by a forward "
+        "that does not use them. A zero gradient here would hide the mistake; compute the loss "
+        "from this model, or ask (wrt=) for parameters it uses"
     )
 
 
