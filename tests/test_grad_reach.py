@@ -316,3 +316,26 @@ def test_hf_gpt2_gradient_checkpointing_matches_backward(reentrant, wrt):
     if reentrant:
         with pytest.raises(RuntimeError, match="use_reentrant=False"):
             ts.structural_grad(model, loss_fn, wrt=wrt, create_graph=True)
+
+
+def test_peft_lora_with_reentrant_checkpointing_matches_backward():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["c_attn"],
+                                                      fan_in_fan_out=True, init_lora_weights=False))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(2))
+    loss_fn = lambda m: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    ref = backward_grads(model, loss_fn, lambda path, p: p.requires_grad)
+    assert len(ref) == 4 and all("lora_" in path for path in ref)
+    got = ts.tree.to_flat_dict(ts.structural_grad(model, loss_fn))
+    assert list(got) == list(ref)
+    for path, r in ref.items():
+        torch.testing.assert_close(got[path], r, rtol=1e-6, atol=1e-8, msg=path)
+        assert r.abs().sum() > 0
+    assert all(p.grad is None for p in model.parameters())
