@@ -177,6 +177,8 @@ def structural_grad(
         True
     """
     asked = _asked(model, wrt)
+    if not callable(loss):
+        _check_loss(loss)  # a bad loss is a TypeError / ValueError everywhere, DDP or not
     ddp = ddp_wrapper(model)
 
     def local() -> list:
