@@ -19,6 +19,13 @@ it is, and the block-local ``stop_gradient``/``constant``/``swap`` (they change 
 always fine. ``global_norm`` and ``clip_by_global_norm`` on a DDP model read the gradients after
 DDP averaged them, so they give the global answer on every rank.
 
+``structural_grad`` / ``value_and_grad`` on a DDP model (the wrapper, or its module) give the
+averaged gradient too: the loss callable runs under ``ddp.no_sync()`` (so DDP's reducer expects
+no backward), this rank's gradients come from ``torch.autograd.grad``, and one all-reduce per
+device and dtype averages them as DDP's reducer does (divided by the world size, then summed).
+What a plain average cannot reproduce (a communication hook, mixed precision) is refused, and
+an error on one rank is an error on every rank, never a hang.
+
 **FSDP2** (``fully_shard``) needs no guard: it copies the sharded parameters' flags to the
 gathered ones at every forward, so what trains may change between steps. Its DTensor
 parameters and gradients are handled where the ops meet the kernels (``torchstruct._dtensor``).
@@ -28,6 +35,8 @@ from __future__ import annotations
 import warnings
 import weakref
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.parallel import DistributedDataParallel
@@ -81,6 +90,120 @@ def _ddp_guard(changes, refuse: bool) -> None:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def ddp_wrapper(model: nn.Module) -> DistributedDataParallel | None:
+    """The live DDP wrapper that synchronizes ``model``'s parameters: ``model`` itself, or the
+    wrapper of ``model`` (or of a module containing it); None when there is none."""
+    if isinstance(model, DistributedDataParallel):
+        return model
+    if not _wrapped:
+        return None
+    for p in model.parameters():
+        hit = _wrapped.get(id(p))
+        ddp = hit[0]() if hit else None
+        if ddp is not None:
+            return ddp
+    return None
+
+
+def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, tensor_loss: bool,
+                      create_graph: bool) -> list:
+    """``compute()`` (this rank's gradients of ``params``, in order) averaged over the ranks of
+    ``ddp``, as ``backward()`` on the wrapper leaves them in ``.grad``.
+
+    ``compute`` runs under ``ddp.no_sync()``: a forward there prepares no reduction, so
+    ``autograd.grad`` leaves DDP's reducer ready for the next training step. Every rank learns
+    whether another one failed before any gradient is exchanged, so an error on one rank is an
+    error on all of them, never a hang. Parameters DDP was told to ignore
+    (``_ddp_params_and_buffers_to_ignore``) keep their local gradient, as with ``backward()``.
+
+    Raises:
+        ValueError: ``tensor_loss`` outside ``ddp.no_sync()`` (the forward already prepared a
+            reduction that only ``backward()`` completes), or ``create_graph``.
+        RuntimeError: a communication hook or mixed precision is set on ``ddp`` (``backward()``
+            reduces through it; a plain average would differ); another rank failed.
+    """
+    _check_plain_average(ddp, tensor_loss, create_graph)
+    error, grads = None, None
+    with ddp.no_sync():
+        try:
+            grads = compute()
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it first
+            error = e
+    _agree(ddp, error)
+    ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
+    return _average(ddp, [(p, g) for p, g in zip(params, grads)], ignored)
+
+
+def _check_plain_average(ddp, tensor_loss: bool, create_graph: bool) -> None:
+    """Refuse, on every rank alike, what a plain average cannot reproduce."""
+    if create_graph:
+        raise ValueError(
+            "structural_grad: create_graph=True on a DistributedDataParallel model: the "
+            "synchronized gradient is not differentiable (DDP's backward() does not support "
+            "double backward either). Use torch.autograd.grad on the inner module for each "
+            "rank's local differentiable gradient"
+        )
+    if tensor_loss and ddp.require_backward_grad_sync:
+        raise ValueError(
+            "structural_grad: a loss already computed by a DistributedDataParallel model with "
+            "gradient synchronization on has a reduction pending that only loss.backward() "
+            "completes. Pass the loss as a callable `lambda m: ...` (the forward then runs "
+            "under ddp.no_sync()), or compute the loss and call structural_grad inside the "
+            "same `with ddp.no_sync():` block"
+        )
+    logger = getattr(ddp, "logger", None)
+    hook = logger is not None and ddp._get_ddp_logging_data().get("comm_hook")
+    if hook and hook not in ("allreduce_hook", "BuiltinCommHookType.ALLREDUCE"):
+        raise RuntimeError(
+            f"structural_grad: the DistributedDataParallel model has the communication hook "
+            f"{hook!r}; backward() reduces the gradients through it, and structural_grad's "
+            "plain average would differ. Use loss.backward() and ts.grad_tree(model)"
+        )
+    if getattr(ddp, "mixed_precision", None) is not None:
+        raise RuntimeError(
+            "structural_grad: the DistributedDataParallel model reduces gradients in mixed "
+            "precision; structural_grad's average would differ. Use loss.backward() and "
+            "ts.grad_tree(model)"
+        )
+
+
+def _device(ddp) -> torch.device:
+    p = next(ddp.module.parameters(), None)
+    return torch.device("cpu") if p is None else p.device
+
+
+def _agree(ddp, error: BaseException | None) -> None:
+    """Raise on every rank if any rank failed (this rank's own error where it has one)."""
+    failed = torch.tensor([0.0 if error is None else 1.0], device=_device(ddp))
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    if error is not None:
+        raise error
+    if failed.item():
+        raise RuntimeError(
+            "structural_grad: another rank of the DistributedDataParallel group raised while "
+            "computing its gradients (its error names the cause); no gradient was exchanged"
+        )
+
+
+def _average(ddp, pairs: list, ignored: set) -> list:
+    """Each gradient averaged over the ranks (one all-reduce per device and dtype)."""
+    world = dist.get_world_size(ddp.process_group)
+    out = [g for _, g in pairs]
+    groups: dict = {}
+    for i, (p, g) in enumerate(pairs):
+        if id(p) not in ignored:
+            g = g.to_dense() if g.is_sparse else g
+            out[i] = g
+            groups.setdefault((g.device, g.dtype), []).append(i)
+    for idx in groups.values():
+        flat = torch.cat([out[i].reshape(-1) for i in idx]).mul_(1.0 / world)  # as DDP
+        dist.all_reduce(flat, group=ddp.process_group)
+        parts = flat.split([out[i].numel() for i in idx])
+        for i, part in zip(idx, parts):
+            out[i] = part.view_as(out[i])
+    return out
 
 
 _module_mod.register_module_module_registration_hook(_on_module_registered)

@@ -9,11 +9,20 @@ Rules shared by all three:
 
 - A tied parameter (one object at several paths) has one leaf, at its first path in
   ``named_parameters()`` order, holding the total gradient over every use.
-- Gradients come from ``torch.autograd.grad(loss, asked, allow_unused=True)``: no ``.grad`` is
-  read or written, and autograd runs only the part of the graph that leads to the asked
-  parameters (the weight-gradient products of the others are never computed).
-- An asked parameter the loss does not depend on gets ``torch.zeros_like(param)``: a tree always
-  has one leaf per asked parameter, so it can be fed to an update or a norm as is.
+- Gradients come from ``torch.autograd.grad`` over the asked parameters the loss reaches: no
+  ``.grad`` is read or written, and autograd runs only the part of the graph that leads to the
+  asked parameters (the weight-gradient products of the others are never computed).
+- Reentrant activation checkpointing (``use_reentrant=True``) hides the parameters inside it
+  from ``torch.autograd.grad``; a loss whose graph holds such a checkpoint is differentiated by
+  ``torch.autograd.backward``, exactly as ``.backward()`` would, with every ``.grad`` field and
+  flag it could touch saved and restored (``create_graph=True`` is refused there).
+- An asked parameter the loss does not reach gets ``torch.zeros_like(param)`` (unused by this
+  forward) as long as the loss reaches another asked parameter: a tree always has one leaf per
+  asked parameter. A loss that reaches none of them (another model, detached copies) is an
+  error naming them, and so is an asked parameter used inside a reentrant checkpoint that
+  records nothing (none of its inputs requires grad).
+- On a model wrapped by ``DistributedDataParallel`` (the wrapper or its module), the gradients
+  are averaged over the ranks, as ``backward()`` leaves them (see :mod:`.distributed`).
 - When ``loss`` is a callable and ``wrt`` is given, the forward runs with exactly the asked
   parameters requiring grad (every other parameter of the model has ``requires_grad=False``
   during the call; all flags are restored afterwards, also when the call raises). Declarations
@@ -22,13 +31,17 @@ Rules shared by all three:
 """
 from __future__ import annotations
 
+import functools
+import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_mod
 
 from . import _dtensor, _state
 from . import tree as _tree
+from .distributed import average_gradients, ddp_wrapper
 from .declare import trainable_parameters
 from .select import index, select
 
@@ -108,12 +121,18 @@ def _check_frozen(loss: torch.Tensor, asked: Pairs) -> None:
         )
 
 
-def _check_requires_grad(loss: torch.Tensor) -> None:
+def _check_requires_grad(loss: torch.Tensor, asked: Pairs) -> None:
     if not loss.requires_grad:
         raise ValueError(
             "structural_grad: the loss does not require grad (computed under torch.no_grad(), or "
-            "from frozen parameters only)"
+            f"from frozen parameters only; it reaches none of {_names(asked)})"
         )
+
+
+def _names(asked: Pairs) -> str:
+    """The first asked paths, for a message."""
+    more = f" and {len(asked) - 3} more" if len(asked) > 3 else ""
+    return ", ".join(repr(path) for path, _ in asked[:3]) + more
 
 
 def structural_grad(
@@ -140,16 +159,23 @@ def structural_grad(
 
     Returns:
         A tree with one leaf per asked parameter (a tied parameter once, at its first path, with
-        the total gradient over all its uses). A parameter the loss does not depend on gets
-        ``torch.zeros_like(param)``. No ``.grad`` field is read or written.
+        the total gradient over all its uses). A parameter the loss does not reach gets
+        ``torch.zeros_like(param)`` when the loss reaches another asked parameter. No ``.grad``
+        field is left changed. Under DDP: the gradients averaged over the ranks.
 
     Raises:
         TypeError: ``model`` is not a module, or ``loss`` is neither tensor nor callable, or the
             callable does not return a tensor.
         ValueError: the loss is not a scalar or does not require grad; an asked parameter does
             not require grad when ``loss`` is a tensor (it has no graph; the message names its
-            path); a ``wrt`` selector matching nothing (closest paths named).
-        RuntimeError: an asked parameter stopped requiring grad while the loss callable ran.
+            path); a ``wrt`` selector matching nothing (closest paths named); the loss reaches
+            none of the asked parameters (paths named); an asked parameter is used inside a
+            reentrant checkpoint none of whose inputs requires grad; under DDP, a tensor loss
+            outside ``ddp.no_sync()``, or ``create_graph=True``.
+        RuntimeError: an asked parameter stopped requiring grad while the loss callable ran;
+            ``create_graph=True`` through reentrant checkpointing, or a post-accumulate-grad
+            hook that its exact path would run; under DDP, a communication hook or mixed
+            precision, or an error on another rank.
 
     Example:
         >>> import torch, torch.nn as nn, torchstruct as ts
@@ -163,17 +189,46 @@ def structural_grad(
     """
     asked = _asked(model, wrt)
     if not callable(loss):
+        _check_loss(loss)  # a bad loss is a TypeError / ValueError everywhere, DDP or not
+    ddp = ddp_wrapper(model)
+
+    def local() -> list:
+        return _local(model, loss, asked, wrt, retain_graph, create_graph)
+
+    if ddp is None:
+        grads = local()
+    else:
+        grads = average_gradients(ddp, [p for _, p in asked], local,
+                                  tensor_loss=not callable(loss), create_graph=create_graph)
+    return _tree.from_flat_dict((path, g) for (path, _), g in zip(asked, grads))
+
+
+def _local(model: nn.Module, loss, asked: Pairs, wrt, retain_graph, create_graph) -> list:
+    """This process's gradients of ``loss`` w.r.t. ``asked``, in order."""
+    if not callable(loss):
         _check_frozen(_check_loss(loss), asked)
-        return _grads(loss, asked, retain_graph, create_graph)
+        return _grads(model, loss, asked, retain_graph, create_graph)
     if wrt is None:
-        return _grads(_called(loss, model, asked), asked, retain_graph, create_graph)
+        return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
     with _only(model, asked):  # autograd.grad also needs the flags on
-        return _grads(_called(loss, model, asked), asked, retain_graph, create_graph)
+        return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
 
 
 def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
-    """``loss_fn(model)``, checked; an asked parameter switched off during the call is an error."""
-    loss = _check_loss(loss_fn(model))
+    """``loss_fn(model)``, checked; an asked parameter switched off during the call, or used
+    inside a reentrant checkpoint that records nothing, is an error."""
+    with _DeadCheckpoints(model, asked) as watch:
+        loss = _check_loss(loss_fn(model))
+    if watch.blind:
+        raise ValueError(
+            f"structural_grad: {watch.blind[0]!r} is used inside a reentrant activation "
+            "checkpoint (use_reentrant=True) none of whose inputs requires grad, so autograd "
+            "records nothing there and its gradient would be missing (.backward() misses it "
+            "too). With wrt=, only the asked parameters require grad during the forward, so the "
+            "layers before the checkpoint may no longer make its input require grad. Use "
+            "use_reentrant=False, or make the checkpoint's input require grad (HF: "
+            "model.enable_input_require_grads())"
+        )
     off = [path for path, p in asked if not p.requires_grad]
     if off:
         raise RuntimeError(
@@ -184,21 +239,208 @@ def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
     return loss
 
 
-def _grads(loss: torch.Tensor, asked: Pairs, retain_graph, create_graph) -> dict:
-    """``torch.autograd.grad`` of ``loss`` w.r.t. exactly ``asked``, as a tree (zeros if unused)."""
+def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, create_graph) -> list:
+    """The gradients of ``loss`` w.r.t. ``asked``, in order (zeros for an unused parameter).
+
+    ``torch.autograd.grad`` over the asked parameters the graph reaches; through reentrant
+    activation checkpointing (opaque to it), the exact path of :func:`_grads_by_backward`.
+    """
     if not asked:
-        return {}
-    _check_requires_grad(loss)
-    grads = torch.autograd.grad(
-        loss,
-        [p for _, p in asked],
-        allow_unused=True,
-        retain_graph=retain_graph,
-        create_graph=create_graph,
+        return []
+    _check_requires_grad(loss, asked)
+    nodes, checkpoints = _walk(loss)
+    if checkpoints:
+        grads = _grads_by_backward(model, loss, asked, nodes, checkpoints, retain_graph,
+                                   create_graph)
+    else:
+        reached = [i for i, (_, p) in enumerate(asked) if _leaf_node(p) in nodes]
+        if not reached:
+            raise ValueError(_unreachable(asked))
+        found = torch.autograd.grad(
+            loss,
+            [asked[i][1] for i in reached],
+            allow_unused=True,
+            retain_graph=retain_graph,
+            create_graph=create_graph,
+        )
+        grads = [None] * len(asked)
+        for i, g in zip(reached, found):
+            grads[i] = g
+    return [torch.zeros_like(p) if g is None else g for (_, p), g in zip(asked, grads)]
+
+
+def _leaf_node(p: torch.Tensor):
+    """The node that accumulates ``p``'s gradient (the one a graph through ``p`` leads to)."""
+    return torch.autograd.graph.get_gradient_edge(p).node
+
+
+def _walk(loss: torch.Tensor) -> tuple[set, list]:
+    """Every backward node reachable from ``loss``, and the reentrant checkpoints among them."""
+    seen, checkpoints, stack = set(), [], [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if _is_reentrant_checkpoint(node):
+            checkpoints.append(node)
+        stack.extend(f for f, _ in node.next_functions)
+    return seen, checkpoints
+
+
+def _is_reentrant_checkpoint(node) -> bool:
+    """A custom autograd function named like a checkpoint (``torch.utils.checkpoint`` with
+    ``use_reentrant=True``, and the implementations modelled on it): its backward recomputes
+    the forward and runs an inner backward that writes ``.grad``, out of sight of this graph."""
+    cls = getattr(node, "_forward_cls", None)
+    return cls is not None and "checkpoint" in cls.__name__.lower()
+
+
+def _unreachable(asked: Pairs) -> str:
+    return (
+        f"structural_grad: the loss reaches none of the asked parameters ({_names(asked)}): it was "
+        "computed from another model, from copies of the parameters (.detach(), .data, "
+        "ts.stop_gradient, torch.func.functional_call with other tensors), or by a forward "
+        "that does not use them. A zero gradient here would hide the mistake; compute the loss "
+        "from this model, or ask (wrt=) for parameters it uses"
     )
-    return _tree.from_flat_dict(
-        (path, torch.zeros_like(p) if g is None else g) for (path, p), g in zip(asked, grads)
-    )
+
+
+def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list, retain_graph,
+                       create_graph) -> list:
+    """The asked gradients by ``torch.autograd.backward(loss)``, exactly as ``.backward()``.
+
+    A reentrant checkpoint's backward refuses ``torch.autograd.grad`` and a ``backward`` with
+    ``inputs``, and accumulates into ``.grad`` from an inner backward. So: exactly the asked
+    parameters of the model require grad (the recomputation records nothing for the others),
+    every other leaf the loss visibly reaches and every parameter of a module the checkpointed
+    functions are bound to stop requiring grad (nothing accumulates into them), the asked
+    ``.grad`` fields start empty; afterwards every ``.grad`` and flag is put back.
+    """
+    if create_graph:
+        raise RuntimeError(
+            "structural_grad: create_graph=True through reentrant activation checkpointing "
+            "(torch.utils.checkpoint with use_reentrant=True): its backward runs an inner "
+            "backward that records no graph, so the gradients would silently not be "
+            "differentiable through the checkpointed part. Use use_reentrant=False (HF: "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
+            "False}))"
+        )
+    _check_no_backward_side_effects(model, asked, nodes)
+    ids = {id(p) for _, p in asked}
+    others = [n.variable for n in nodes if hasattr(n, "variable")]
+    for node in checkpoints:
+        for m in _modules_behind(getattr(node, "run_function", None)):
+            others.extend(m.parameters())
+    with _only(model, asked):
+        off = list({id(t): t for t in others if id(t) not in ids and t.requires_grad}.values())
+        saved = [(p, p.grad) for _, p in asked]
+        try:
+            for t in off:
+                t.requires_grad_(False)
+            for p, _ in saved:
+                p.grad = None
+            torch.autograd.backward(loss, retain_graph=retain_graph)
+            grads = [p.grad for _, p in asked]
+        finally:
+            for p, g in saved:
+                p.grad = g
+            for t in off:
+                t.requires_grad_(True)
+    if all(g is None for g in grads):
+        raise ValueError(_unreachable(asked))
+    return grads
+
+
+def _check_no_backward_side_effects(model: nn.Module, asked: Pairs, nodes: set) -> None:
+    """``backward`` runs hooks that ``autograd.grad`` never runs: refuse where they would act."""
+    ddp = ddp_wrapper(model)
+    if ddp is not None and ddp.static_graph:
+        raise RuntimeError(
+            "structural_grad: reentrant activation checkpointing on a DistributedDataParallel "
+            "model built with static_graph=True: the exact path runs a backward whose hooks "
+            "the reducer would count as a training step. Use use_reentrant=False"
+        )
+    paths = {id(p): path for path, p in index(model)}
+    leaves = [p for _, p in asked] + [n.variable for n in nodes if hasattr(n, "variable")]
+    for t in leaves:
+        if getattr(t, "_post_accumulate_grad_hooks", None):
+            where = repr(paths[id(t)]) if id(t) in paths else "a tensor outside the model"
+            raise RuntimeError(
+                f"structural_grad: {where} has a post-accumulate-grad hook (an optimizer step "
+                "in backward?), and reentrant activation checkpointing needs a real backward "
+                "to get the gradients, which would run it. Use use_reentrant=False, or remove "
+                "the hook for this call"
+            )
+
+
+def _modules_behind(fn, depth: int = 4):
+    """The modules a checkpointed function is bound to, as far as they can be seen: a module,
+    a bound method's object, a partial's function and arguments, a closure's cells, lists."""
+    if depth < 0:
+        return
+    if isinstance(fn, nn.Module):
+        yield fn
+    elif isinstance(fn, (list, tuple)):
+        for f in fn:
+            yield from _modules_behind(f, depth - 1)
+    elif isinstance(fn, functools.partial):
+        for f in (fn.func, *fn.args, *fn.keywords.values()):
+            yield from _modules_behind(f, depth - 1)
+    elif callable(fn):
+        yield from _modules_behind(getattr(fn, "__self__", None), depth - 1)
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                yield from _modules_behind(cell.cell_contents, depth - 1)
+            except ValueError:  # an empty cell
+                pass
+
+
+class _DeadCheckpoints:
+    """Watches a forward for asked parameters used inside a reentrant checkpoint that got no
+    input requiring grad (it runs its function under ``no_grad`` and records nothing, so their
+    gradient is lost without a trace in the graph).
+
+    A global forward pre-hook, present only during the call, looks at the modules that own an
+    asked parameter when they run with grad disabled, and finds the checkpoint's ``forward``
+    among the calling frames of this thread.
+    """
+
+    def __init__(self, model: nn.Module, asked: Pairs) -> None:
+        paths = {id(p): path for path, p in asked}
+        self.owners: dict[int, list[str]] = {}
+        for m in model.modules():
+            own = [paths[id(p)] for p in m._parameters.values() if p is not None and id(p) in paths]
+            if own:
+                self.owners[id(m)] = own
+        self.blind: list[str] = []
+
+    def __enter__(self) -> "_DeadCheckpoints":
+        self.handle = _module_mod.register_module_forward_pre_hook(self._seen)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def _seen(self, module: nn.Module, args) -> None:
+        if torch.is_grad_enabled():
+            return
+        own = self.owners.get(id(module))
+        if own and _in_dead_checkpoint(sys._getframe(1)):
+            self.blind.extend(p for p in own if p not in self.blind)
+
+
+def _in_dead_checkpoint(frame) -> bool:
+    """Whether ``frame`` runs inside a reentrant checkpoint's forward none of whose tensor
+    inputs requires grad (the innermost such forward decides)."""
+    while frame is not None:
+        if frame.f_code.co_name == "forward":
+            ctx = frame.f_locals.get("ctx")
+            if ctx is not None and _is_reentrant_checkpoint(ctx):
+                args = frame.f_locals.get("args", ())
+                return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        frame = frame.f_back
+    return False
 
 
 def _split_aux(out, has_aux: bool):
