@@ -395,3 +395,24 @@ def test_unfreeze_of_an_integer_parameter_names_it_and_changes_nothing():
     with ts.unfreeze(m, "0"):  # the floating-point ones alone are fine
         assert m[0].weight.requires_grad
     assert flags(m) == before
+
+
+@pytest.mark.parametrize("opt", ["SGD", "AdamW"])
+@pytest.mark.parametrize("flag", ["fused", "foreach"])
+def test_ts_optim_rejects_fused_and_foreach_clearly(opt, flag):
+    with pytest.raises(TypeError, match=rf"{flag}= is not an option here.*one fused pass"):
+        getattr(ts.optim, opt)(mlp().parameters(), lr=0.1, **{flag: True})
+
+
+@pytest.mark.parametrize("opt", ["SGD", "AdamW"])
+def test_ts_optim_refuses_complex_parameters_at_construction(opt):
+    m = mlp()
+    m.phase = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="'phase' is complex"):
+        getattr(ts.optim, opt)(ts.param_groups(m), lr=0.1)
+    with pytest.raises(TypeError, match="complex"):
+        getattr(ts.optim, opt)(m.parameters(), lr=0.1)
+    o = getattr(ts.optim, opt)(mlp().parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="complex"):
+        o.add_param_group({"params": [m.phase]})
+    assert len(o.param_groups) == 1

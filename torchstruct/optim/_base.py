@@ -103,8 +103,14 @@ class MaskedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults: dict, *, masks=None, max_grad_norm=None,
-                 norm_type: float = 2.0):
+                 norm_type: float = 2.0, foreach=None, fused=None):
         name = type(self).__name__
+        for flag, value in (("foreach", foreach), ("fused", fused)):
+            if value is not None:
+                raise TypeError(
+                    f"{name}: {flag}= is not an option here: torchstruct's optimizers always "
+                    f"update each param group in one fused pass (compiled kernels, or PyTorch's "
+                    f"own multi-tensor ops on a device without them); drop {flag}={value!r}")
         lr = _number(defaults["lr"], f"{name}: lr")
         if math.isnan(lr) or lr < 0:
             raise ValueError(f"{name}: lr must be >= 0, got {defaults['lr']!r}")
@@ -248,6 +254,25 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 return None
             out.update(zip(ids, group["params"]))
         return out
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``, refusing complex parameters (the fused
+        steps have no complex arithmetic; torch's optimizers step them as real views)."""
+        params = param_group["params"]
+        if not isinstance(params, (torch.Tensor, set)):  # a set: torch's own error follows
+            param_group["params"] = params = list(params)  # a generator is read once, here
+        names = param_group.get("param_names")
+        params = [params] if isinstance(params, torch.Tensor) else params
+        for j, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and p.is_complex():
+                label = repr(names[j]) if names is not None and j < len(names) else (
+                    f"{j} of param group {len(self.param_groups)}")
+                raise TypeError(
+                    f"{type(self).__name__}: parameter {label} is complex ({p.dtype}); "
+                    "torchstruct's optimizers support float32, float64, float16 and bfloat16 "
+                    "parameters (use torch.optim for complex ones, or train a real view: "
+                    "torch.view_as_real)")
+        super().add_param_group(param_group)
 
     def _label(self, param: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):

@@ -47,11 +47,12 @@ class AdamW(MaskedOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
-                 masks=None, max_grad_norm=None, norm_type: float = 2.0):
+                 masks=None, max_grad_norm=None, norm_type: float = 2.0,
+                 foreach=None, fused=None):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         amsgrad=amsgrad, maximize=maximize)
         super().__init__(params, defaults, masks=masks, max_grad_norm=max_grad_norm,
-                         norm_type=norm_type)
+                         norm_type=norm_type, foreach=foreach, fused=fused)
 
     def __setstate__(self, state):
         super().__setstate__(state)

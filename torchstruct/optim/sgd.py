@@ -44,11 +44,12 @@ class SGD(MaskedOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
-                 masks=None, max_grad_norm=None, norm_type: float = 2.0):
+                 masks=None, max_grad_norm=None, norm_type: float = 2.0,
+                 foreach=None, fused=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
         super().__init__(params, defaults, masks=masks, max_grad_norm=max_grad_norm,
-                         norm_type=norm_type)
+                         norm_type=norm_type, foreach=foreach, fused=fused)
 
     def __setstate__(self, state):
         super().__setstate__(state)
