@@ -24,7 +24,7 @@ from torch import nn
 
 from . import _state, hooks
 from .declare import selected_ids
-from .select import select
+from .select import ParamIndex, index, select
 
 __all__ = ["freeze", "freeze_except", "unfreeze"]
 
@@ -40,15 +40,17 @@ class Entry:
     freeze_norm_stats: bool = True
     registrations: int = 0  # the governing tree's registration count when entered
 
-    def fold(self, flags: dict[int, bool]) -> None:
-        """Fold this context into ``flags`` (parameter id -> flag), within its scope."""
+    def fold(self, flags: dict[int, bool], root: nn.Module, root_index: ParamIndex) -> None:
+        """Fold this context into ``flags`` (parameter id -> flag of ``root``'s parameters,
+        indexed as ``root_index``), within its scope."""
         scope = self.scope()
         if scope is None:
             return
-        ids = [id(p) for p in scope.parameters() if id(p) in flags]
+        idx = root_index if scope is root else index(scope)
+        ids = [id(p) for p in idx.params if id(p) in flags]
         if not ids:
             return
-        chosen = selected_ids(scope, self.selectors)
+        chosen = selected_ids(scope, self.selectors, idx)
         for i in ids:
             if self.kind == "freeze" and i in chosen:
                 flags[i] = False
@@ -70,9 +72,12 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
     if scope is None:
         return []
     governing = hooks.state_for(scope)
-    ids = {id(p) for p in scope.parameters()}
+    others = [s for s in _state.live_states() if s is not governing]
+    if others:  # other attached models holding the scope's parameters: applied too
+        ids = {id(p) for p in scope.parameters()}
+        others = [s for s in others if not ids.isdisjoint(s.members)]
     changes = []
-    for st in [governing] + [s for s in hooks.states_sharing(ids) if s is not governing]:
+    for st in [governing, *others]:
         changes += st.apply(refuse)
     return changes
 
@@ -98,8 +103,9 @@ def pop(entry: Entry) -> None:
         _state.entries[:] = [e for e in _state.entries if e is not entry]
         _drop_dead()
         scope = entry.scope()
-        grown = scope is not None and hooks.state_for(scope).registrations != entry.registrations
+        registrations = hooks.state_for(scope).registrations if scope is not None else 0
         changes = _apply_around(entry, refuse=False)
+        grown = registrations != entry.registrations
     if grown:
         _warn_undone(entry, [path for path, _, flag in changes if flag])
 

@@ -181,7 +181,7 @@ def effective(
     with _state.LOCK:
         entries = list(_state.entries)
     for entry in entries:
-        entry.fold(flags)
+        entry.fold(flags, root, idx)
     admitted = _admitted(root)
     return idx, base, {i: f and i in admitted for i, f in flags.items()}
 
@@ -253,8 +253,9 @@ def is_trainable(model: nn.Module, path_or_param: str | nn.Parameter) -> bool:
     )
 
 
-def selected_ids(scope: nn.Module, selectors: tuple) -> set[int]:
-    """Ids of ``scope``'s parameters picked by ``selectors`` (all of them when empty)."""
+def selected_ids(scope: nn.Module, selectors: tuple, idx: ParamIndex) -> set[int]:
+    """Ids of ``scope``'s parameters (indexed as ``idx``) picked by ``selectors`` (all of them
+    when empty)."""
     if not selectors:
-        return {id(p) for p in scope.parameters()}
-    return {id(p) for _, p in select(scope, *selectors, strict=False)}
+        return {id(p) for p in idx.params}
+    return {id(p) for _, p in select(scope, *selectors, strict=False, idx=idx)}

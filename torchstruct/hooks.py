@@ -79,8 +79,9 @@ class State:
             self._release_leavers({id(p) for p in idx.params})
             self.members = {id(p): weakref.ref(p) for p in idx.params}
             self.last = {path: (base[id(p)], flag) for path, p, flag in new}
-            self.module_ids = frozenset(id(m) for m in root.modules())
-            self._sync_norm_hooks(root)
+            modules = list(root.modules())
+            self.module_ids = frozenset(map(id, modules))
+            self._sync_norm_hooks(modules)
             self.dirty = False
             return changes
 
@@ -100,7 +101,7 @@ class State:
         root = self.root()
         if self.hook is None and root is not None:
             self.hook = root.register_forward_pre_hook(_pre_forward)
-            self._sync_norm_hooks(root)
+            self._sync_norm_hooks(list(root.modules()))
 
     def uninstall(self) -> None:
         if self.hook is not None:
@@ -126,10 +127,10 @@ class State:
                 return False
         return True
 
-    def _sync_norm_hooks(self, root: nn.Module) -> None:
+    def _sync_norm_hooks(self, modules: list[nn.Module]) -> None:
         want = {}
         if self.hook is not None:  # detached: no hooks at all
-            want = {id(m): m for m in root.modules() if self._norm_stats_frozen(m)}
+            want = {id(m): m for m in modules if self._norm_stats_frozen(m)}
         for key in list(self.norm_hooks):
             ref, handles = self.norm_hooks[key]
             if want.get(key) is not ref():
@@ -220,11 +221,6 @@ def state_for(module: nn.Module) -> State:
     _state.states[id(module)] = st
     st.install()
     return st
-
-
-def states_sharing(params: set[int]) -> list[State]:
-    """The live states whose tree holds (or held at the last application) any of ``params``."""
-    return [st for st in _state.live_states() if not params.isdisjoint(st.members)]
 
 
 def apply_containing(module: nn.Module, refuse: bool = True) -> None:
