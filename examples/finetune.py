@@ -715,7 +715,7 @@ def plot_losses(results: list[dict], path: str) -> None:
                     xytext=(2, -12), textcoords="offset points", fontsize=9)
         start += len(stage["losses"])
     ax.set(xlabel="step", ylabel="training loss (cross-entropy)",
-           title="Staged fine-tuning: " + " vs ".join(r["recipe"] for r in results))
+           title="Gradual unfreezing: " + " vs ".join(r["recipe"] for r in results))
     ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
