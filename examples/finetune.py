@@ -1,29 +1,35 @@
-"""Staged fine-tuning of a small transformer with torchstruct, side by side with plain PyTorch.
+"""Gradual unfreezing of a small transformer with torchstruct, side by side with plain PyTorch.
 
 A teacher transformer labels random token sequences (nothing is downloaded) and a student with
-the same architecture learns them in four stages, each training a different part of the model:
+the same architecture learns them in four stages; each stage adds a part to what trains:
 
-1. ``head``         the classification head only;
-2. ``last blocks``  the last two encoder blocks and the head;
-3. ``adapters``     low-rank (LoRA-style) adapters, added to every feed-forward layer after
-                    stage 2, and the head; the adapter class declares what trains
-                    (``trainable()``), so the weights it wraps stay frozen;
-4. ``new tokens``   the vocabulary grows, and only the new embedding rows train (``masks=``).
+1. ``head``         the classification head;
+2. ``last blocks``  the last two encoder blocks;
+3. ``adapters``     low-rank (LoRA-style) adapters around the feed-forward layers of the other
+                    blocks; the adapter class declares what trains (``trainable()``), so the
+                    weights it wraps stay frozen;
+4. ``new tokens``   new embedding rows (tokens the teacher reads as old ones); an element mask
+                    keeps the old rows, and their moments, bitwise unchanged.
 
-With torchstruct each stage is one ``ts.freeze_except(model, ...)`` block, lifted when the stage
-ends. A step takes the gradient tree of the trainable part with ``ts.structural_grad`` and applies
-``ts.optim.AdamW`` with the global-norm clip folded into the update (``max_grad_norm=``); an EMA
-copy follows with ``ts.polyak_update`` and is evaluated in place with ``ts.swap``. At the end of
-each stage every frozen parameter and every masked-out embedding row is checked to be bitwise
-unchanged.
+With torchstruct the run has **one optimizer for all stages**: ``ts.optim.AdamW`` over
+``ts.param_groups`` (no weight decay on biases and norms, timm's layer decay as ``lr_scale``, a
+higher rate for the embedding), the global-norm clip folded into the update, the new rows by
+``masks=``; a ``LambdaLR`` sets each stage's rate (the ratios survive it), and a
+``ts.UnfreezeSchedule`` switches the stages. A step takes the gradient tree of the trainable part
+with ``ts.structural_grad``; an EMA copy follows with ``ts.polyak_update`` and is evaluated in
+place with ``ts.swap``. At the end a trainable-only checkpoint (``ts.state_dict``) is written,
+loaded into a fresh copy of the starting model, and checked to reproduce the held-out loss;
+its size is reported against the full ``state_dict``. After each stage every frozen parameter
+and every masked-out embedding row is checked to be bitwise unchanged.
 
-The same run is then repeated in plain PyTorch: the same model, data and stages, with the flags
-set by hand (``requires_grad_``), ``torch.nn.utils.clip_grad_norm_`` and
-``torch.optim.AdamW(fused=True)`` (``foreach`` where no fused kernel exists), and EMA and row
-masking by hand. Each run goes in a fresh process: a short first pass (a few steps per stage)
-measures peak memory (CUDA's allocator statistics on a GPU, the peak RSS on the CPU), then the
-full run is timed. A report compares time, peak memory and losses, and the loss curves are
-drawn into a PNG when matplotlib is installed. The exit code is non-zero when a check fails.
+The same run is then repeated in plain PyTorch, the way it is written by hand today: flags set
+with ``requires_grad_`` and the optimizer rebuilt at each stage over hand-made groups (its
+moments start over), ``torch.nn.utils.clip_grad_norm_`` and ``torch.optim.AdamW(fused=True)``
+(``foreach`` where no fused kernel exists), EMA and row masking by hand. Each run goes in a fresh
+process: a short first pass (a few steps per stage) measures peak memory (CUDA's allocator
+statistics on a GPU, the peak RSS on the CPU), then the full run is timed. A report compares
+time, peak memory and losses, and the loss curves are drawn into a PNG when matplotlib is
+installed. The exit code is non-zero when a check fails.
 
     bash run.sh example                              # from the repository root
     python examples/finetune.py --steps 40 --plot /tmp/losses.png
@@ -107,9 +113,10 @@ class LowRankAdapter(nn.Module):
 
 
 def add_adapters(model: TinyTransformer, rank: int, seed: int) -> None:
-    """Wrap both feed-forward layers of every block in a :class:`LowRankAdapter`."""
+    """Wrap both feed-forward layers of every block but the last ``LAST_BLOCKS`` (which train
+    whole in stage 2) in a :class:`LowRankAdapter`."""
     generator = torch.Generator().manual_seed(seed)
-    for block in model.blocks:
+    for block in model.blocks[:-LAST_BLOCKS]:
         block.linear1 = LowRankAdapter(block.linear1, rank, generator)
         block.linear2 = LowRankAdapter(block.linear2, rank, generator)
 
@@ -118,15 +125,13 @@ def adapters(model: nn.Module) -> list[LowRankAdapter]:
     return [m for m in model.modules() if isinstance(m, LowRankAdapter)]
 
 
-def grow_vocabulary(model: TinyTransformer, new_rows: int, seed: int) -> None:
-    """Replace the embedding by a larger one: the old rows copied, the new rows random."""
-    old, dim = model.embed, model.embed.embedding_dim
-    grown = nn.Embedding(old.num_embeddings + new_rows, dim, device=old.weight.device)
-    new = torch.randn(new_rows, dim, generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        grown.weight[: old.num_embeddings] = old.weight
-        grown.weight[old.num_embeddings:] = new
-    model.embed = grown
+def make_student(args) -> TinyTransformer:
+    """The student: ``NEW_TOKENS`` more embedding rows than the teacher (unused, and masked
+    out of every update, until the last stage), adapters in place from the start (their ``up``
+    factor is zero: they change nothing until they train)."""
+    student = TinyTransformer(vocab=VOCAB + NEW_TOKENS)
+    add_adapters(student, args.rank, args.seed + 10)
+    return student
 
 
 @dataclass(frozen=True)
@@ -138,21 +143,14 @@ class Stage:
 
 
 # (name, share of --steps, multiple of --lr) of each stage
-STAGE_PLAN = (("head", 1.0, 3.0), ("last blocks", 1.0, 0.3), ("adapters", 1.0, 3.0),
-              ("new tokens", 0.5, 10.0))
+STAGE_PLAN = (("head", 1.0, 3.0), ("last blocks", 1.0, 1.0), ("adapters", 1.0, 1.0),
+              ("new tokens", 0.5, 1.0))
+NEW_ROWS_LR_SCALE = 10.0  # the new embedding rows learn from scratch
 
 
 def plan_stages(args) -> list[Stage]:
     return [Stage(i, name, max(1, round(share * args.steps)), scale * args.lr)
             for i, (name, share, scale) in enumerate(STAGE_PLAN, 1)]
-
-
-def prepare_model(model: TinyTransformer, stage: Stage, args) -> None:
-    """What changes in the model before a stage: adapters before 3, new tokens before 4."""
-    if stage.name == "adapters":
-        add_adapters(model, args.rank, args.seed + 10)
-    if stage.name == "new tokens":
-        grow_vocabulary(model, NEW_TOKENS, args.seed + 20)
 
 
 def random_tokens(count: int, length: int, new_tokens: bool, generator: torch.Generator):
@@ -194,47 +192,69 @@ def make_data(teacher: nn.Module, stages: list[Stage], args, device) -> dict:
 
 
 # --------------------------------------------------------------------------- the two recipes
-class TorchstructStage:
-    """One stage the torchstruct way: a ``freeze_except`` block, structural gradients, fused
-    clip + AdamW, ``polyak_update`` and ``swap``."""
+def trained_selectors(model: TinyTransformer, stage: Stage) -> list[str]:
+    """What starts training at a stage (cumulative: earlier stages keep training)."""
+    last = [f"blocks.{i}" for i in range(len(model.blocks))][-LAST_BLOCKS:]
+    return {
+        "head": ["head"],
+        "last blocks": last,
+        # the adapters' factors; each adapter's trainable() keeps its base frozen anyway
+        "adapters": ["*.down", "*.up"],
+        "new tokens": ["embed"],  # with a mask: only the new rows
+    }[stage.name]
 
-    def __init__(self, model: nn.Module, stage: Stage, args):
-        self.model, self.stage, self.args = model, stage, args
 
-    def selection(self) -> list:
-        """What trains in this stage: paths or module objects (any selector would do)."""
-        last = [f"blocks.{i}" for i in range(len(self.model.blocks))][-LAST_BLOCKS:]
-        return {
-            "head": ["head"],
-            "last blocks": ["head", *last],
-            # selects whole adapters; each one's trainable() keeps its base frozen
-            "adapters": ["head", *adapters(self.model)],
-            "new tokens": ["embed"],
-        }[self.stage.name]
+def new_rows_mask(model: TinyTransformer) -> torch.Tensor:
+    mask = torch.zeros_like(model.embed.weight, dtype=torch.bool)
+    mask[VOCAB:] = True
+    return mask
 
-    def __enter__(self):
-        self.block = ts.freeze_except(self.model, *self.selection())  # applied now, lifted at exit
-        self.params = dict(ts.trainable_parameters(self.model))
-        masks = {}
-        if self.stage.name == "new tokens":  # only the new rows (the old ones are not even decayed)
-            weight = self.model.embed.weight
-            masks[weight] = torch.zeros_like(weight, dtype=torch.bool)
-            masks[weight][VOCAB:] = True
-        self.optimizer = ts.optim.AdamW(self.params.values(), lr=self.stage.lr,
-                                        weight_decay=WEIGHT_DECAY, max_grad_norm=self.args.clip,
-                                        masks=masks)
-        self.ema = copy.deepcopy(self.model)  # copied inside the block: it trains what model trains
-        return self
 
-    def __exit__(self, *exc):
-        return self.block.__exit__(*exc)
+def stage_at(stages: list[Stage], steps: list[int], step: int) -> Stage:
+    """The stage that step ``step`` (0-based, over the whole run) belongs to."""
+    for stage, start in zip(reversed(stages), reversed(starts(steps))):
+        if step >= start:
+            return stage
+    return stages[0]
+
+
+def starts(steps: list[int]) -> list[int]:
+    """The first step of each stage, given the number of steps of each."""
+    return [sum(steps[:i]) for i in range(len(steps))]
+
+
+class TorchstructRun:
+    """The whole run the torchstruct way: one optimizer over ``ts.param_groups`` (no decay on
+    biases and norms, layer decay as ``lr_scale``), the stages driven by a
+    ``ts.UnfreezeSchedule``, an LR scheduler for each stage's rate, structural gradients, the
+    clip folded into AdamW, ``polyak_update`` and ``swap``, a trainable-only checkpoint."""
+
+    def __init__(self, model: TinyTransformer, stages: list[Stage], steps: list[int], args):
+        self.model, self.args = model, args
+        self.ema = copy.deepcopy(model)  # a plain copy: every parameter follows the model's
+        milestones = {start: trained_selectors(model, stage)
+                      for stage, start in zip(stages, starts(steps))}
+        self.milestones = milestones
+        self.schedule = ts.UnfreezeSchedule(model, milestones)
+        groups = ts.param_groups(  # the first rule that selects a parameter wins
+            model, ("embed", {"lr_scale": NEW_ROWS_LR_SCALE, "name": "embedding"}),
+            *ts.layer_decay(model, args.layer_decay, layers="blocks"), weight_decay=WEIGHT_DECAY)
+        self.optimizer = ts.optim.AdamW(groups, lr=args.lr, max_grad_norm=args.clip,
+                                        masks={model.embed.weight: new_rows_mask(model)})
+        rate = {stage.name: stage.lr / args.lr for stage in stages}
+        self.lr = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: rate[stage_at(stages, steps, step).name])
+
+    def start_stage(self, stage: Stage) -> None:
+        """Nothing to do: the schedule changed the flags at the stage's first step."""
 
     def step(self, loss: torch.Tensor) -> torch.Tensor:
         """Gradients of the trainable part only, one fused clip + AdamW pass; the grad norm."""
-        grads = ts.tree.to_flat_dict(ts.structural_grad(self.model, loss))  # {path: gradient}
-        for path, param in self.params.items():
-            param.grad = grads[path]
+        for path, grad in ts.tree.to_flat_dict(ts.structural_grad(self.model, loss)).items():
+            self.model.get_parameter(path).grad = grad
         self.optimizer.step()
+        self.lr.step()
+        self.schedule.step()
         return self.optimizer.last_grad_norm
 
     def update_ema(self) -> None:
@@ -243,6 +263,21 @@ class TorchstructStage:
     def ema_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         with ts.swap(self.model, ts.tree.from_module(self.ema)):  # EMA weights stand in, in place
             return self.model(tokens)
+
+    def checkpoint(self, fresh: TinyTransformer, held_out) -> dict:
+        """Save what training changed, load it into a fresh copy of the starting model (its
+        schedule resumed at the last step), and check that it reproduces the held-out loss."""
+        with tempfile.TemporaryDirectory() as tmp:
+            small, full = os.path.join(tmp, "trainable.pt"), os.path.join(tmp, "full.pt")
+            torch.save(ts.state_dict(self.model), small)
+            torch.save(self.model.state_dict(), full)
+            schedule = ts.UnfreezeSchedule(fresh, self.milestones)
+            schedule.load_state_dict(self.schedule.state_dict())  # the same parts train
+            ts.load_state_dict(fresh, torch.load(small))
+            sizes = os.path.getsize(small), os.path.getsize(full)
+        want, got = held_out_loss(self.model, held_out), held_out_loss(fresh, held_out)
+        return dict(bytes=sizes[0], full_bytes=sizes[1], loss=want, reloaded_loss=got,
+                    keys=len(ts.state_dict(self.model)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -257,51 +292,61 @@ def fused_adamw_available(device_type: str) -> bool:
     return True
 
 
-def plain_adamw(params: list, lr: float, device: torch.device) -> torch.optim.AdamW:
-    if fused_adamw_available(device.type):
-        return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, fused=True)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, foreach=True)
+def plain_groups(model: TinyTransformer, lr: float, decay: float) -> list[dict]:
+    """Param groups as written by hand today: a layer id from each name, lr scaled by
+    ``decay ** (L + 1 - id)``, no weight decay for biases and norm weights."""
+    blocks = len(model.blocks)
+    groups = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        parts = name.split(".")
+        layer = 0 if parts[0] == "embed" else int(parts[1]) + 1 if parts[0] == "blocks" else blocks + 1
+        scale = NEW_ROWS_LR_SCALE if parts[0] == "embed" else decay ** (blocks + 1 - layer)
+        no_decay = name.endswith("bias") or "norm" in name
+        key = (layer, no_decay)
+        if key not in groups:
+            groups[key] = {"params": [], "lr": lr * scale,
+                           "weight_decay": 0.0 if no_decay else WEIGHT_DECAY}
+        groups[key]["params"].append(p)
+    return list(groups.values())
 
 
-class PlainStage:
-    """The same stage by hand: ``requires_grad_``, backward, ``clip_grad_norm_`` + torch's
-    AdamW, EMA with a foreach lerp, evaluation with ``torch.func.functional_call``."""
+class PlainRun:
+    """The same run by hand: ``requires_grad_`` at each stage, the optimizer rebuilt over
+    hand-made groups, backward, ``clip_grad_norm_`` + torch's AdamW, EMA with a foreach lerp,
+    the old embedding rows put back after each step, evaluation with ``functional_call``."""
 
-    def __init__(self, model: nn.Module, stage: Stage, args):
-        self.model, self.stage, self.args = model, stage, args
+    def __init__(self, model: TinyTransformer, stages: list[Stage], steps: list[int], args):
+        self.model, self.stages, self.args = model, stages, args
+        self.ema = copy.deepcopy(model)
+        self.selected: list[str] = []
 
-    def set_flags(self) -> None:
+    def start_stage(self, stage: Stage) -> None:
         model = self.model
+        self.selected += trained_selectors(model, stage)
         model.requires_grad_(False)
-        trains = {
-            "head": [model.head],
-            "last blocks": [model.head, *model.blocks[-LAST_BLOCKS:]],
-            "adapters": [model.head] + [p for a in adapters(model) for p in (a.down, a.up)],
-            "new tokens": [model.embed],
-        }[self.stage.name]
-        for part in trains:
-            part.requires_grad_(True)
-
-    def __enter__(self):
-        self.set_flags()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = plain_adamw(self.params, self.stage.lr, self.params[0].device)
-        self.ema = copy.deepcopy(self.model)
-        self.ema_pairs = [(e, p) for e, p in zip(self.ema.parameters(), self.model.parameters())
-                          if p.requires_grad]
-        if self.stage.name == "new tokens":  # restored after every step
-            self.old_rows = self.model.embed.weight[:VOCAB].detach().clone()
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        for name, p in model.named_parameters():
+            parts = name.split(".")
+            picked = any(name.startswith(s + ".") or (s.startswith("*.") and parts[-1] == s[2:])
+                         for s in self.selected)
+            adapter_base = ".base." in f".{name}"
+            p.requires_grad_(picked and not adapter_base)
+        groups = plain_groups(model, stage.lr, self.args.layer_decay)
+        self.params = [p for g in groups for p in g["params"]]
+        kind = {"fused": True} if fused_adamw_available(self.params[0].device.type) else {
+            "foreach": True}
+        self.optimizer = torch.optim.AdamW(groups, lr=stage.lr, **kind)  # moments start over
+        self.ema_pairs = [(e, p) for e, p in zip(self.ema.parameters(), model.parameters())]
+        self.old_rows = (model.embed.weight[:VOCAB].detach().clone()
+                         if stage.name == "new tokens" else None)
 
     def step(self, loss: torch.Tensor) -> torch.Tensor:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.args.clip)
         self.optimizer.step()
-        if self.stage.name == "new tokens":
+        if self.old_rows is not None:
             with torch.no_grad():
                 self.model.embed.weight[:VOCAB] = self.old_rows
         return norm
@@ -314,8 +359,11 @@ class PlainStage:
     def ema_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(self.model, dict(self.ema.named_parameters()), (tokens,))
 
+    def checkpoint(self, fresh, held_out) -> None:
+        return None
 
-STAGE_RECIPES = {"torchstruct": TorchstructStage, "plain PyTorch": PlainStage}
+
+RUNS = {"torchstruct": TorchstructRun, "plain PyTorch": PlainRun}
 
 
 # --------------------------------------------------------------------------- progress bar
@@ -386,28 +434,28 @@ def changed_tensors(protected: dict) -> list[str]:
             if not torch.equal(view.detach().cpu(), before)]
 
 
-def train_stage(recipe: str, model: nn.Module, stage: Stage, data, args,
+def train_stage(recipe: str, run, model: nn.Module, stage: Stage, data, args,
                 progress=Progress) -> dict:
-    """Train one stage with one recipe; returns its losses, timings and check results."""
+    """Train one stage with one recipe's run; returns its losses, timings and check results."""
     batches, held_out = data
     start = time.perf_counter()
-    with STAGE_RECIPES[recipe](model, stage, args) as run:
-        protected = protected_tensors(model, stage)
-        trainable = (sum(p.numel() for p in model.parameters())  # elements that may change
-                     - sum(before.numel() for _, before in protected.values()))
-        before = held_out_loss(model, held_out)
-        label = f"{recipe:<13} {stage.number}/{len(STAGE_PLAN)} {stage.name:<11}"
-        bar = progress(label, len(batches), args.tty)
-        losses, step_seconds = [], []
-        for step, (tokens, labels) in enumerate(batches, 1):
-            tick = time.perf_counter()
-            loss = LOSS(model(tokens), labels)
-            grad_norm = run.step(loss)
-            run.update_ema()
-            losses.append(loss.item())  # waits for the device: the step is done
-            step_seconds.append(time.perf_counter() - tick)
-            bar.update(step, f"loss {losses[-1]:.4f} grad norm {grad_norm.item():7.4f}")
-        after, ema = held_out_loss(model, held_out), held_out_loss(run.ema_logits, held_out)
+    run.start_stage(stage)
+    protected = protected_tensors(model, stage)
+    trainable = (sum(p.numel() for p in model.parameters())  # elements that may change
+                 - sum(before.numel() for _, before in protected.values()))
+    before = held_out_loss(model, held_out)
+    label = f"{recipe:<13} {stage.number}/{len(STAGE_PLAN)} {stage.name:<11}"
+    bar = progress(label, len(batches), args.tty)
+    losses, step_seconds = [], []
+    for step, (tokens, labels) in enumerate(batches, 1):
+        tick = time.perf_counter()
+        loss = LOSS(model(tokens), labels)
+        grad_norm = run.step(loss)
+        run.update_ema()
+        losses.append(loss.item())  # waits for the device: the step is done
+        step_seconds.append(time.perf_counter() - tick)
+        bar.update(step, f"loss {losses[-1]:.4f} grad norm {grad_norm.item():7.4f}")
+    after, ema = held_out_loss(model, held_out), held_out_loss(run.ema_logits, held_out)
     changed = changed_tensors(protected)
     seconds = time.perf_counter() - start
     bar.close(f"held-out loss {before:.4f} -> {after:.4f} (EMA {ema:.4f}); frozen tensors "
@@ -418,15 +466,20 @@ def train_stage(recipe: str, model: nn.Module, stage: Stage, data, args,
 
 
 def train_all_stages(recipe: str, model: nn.Module, data: dict, args, progress=Progress,
-                     steps: int | None = None) -> list[dict]:
-    """The staged fine-tuning; ``steps`` cuts every stage short."""
+                     steps: int | None = None, fresh: nn.Module | None = None):
+    """The staged fine-tuning, one run object for all stages; ``steps`` cuts every stage short.
+    With ``fresh`` (a copy of the starting model), the run's checkpoint is checked at the end.
+    Returns the stages' results and the checkpoint's (or None)."""
+    stages = plan_stages(args)
+    counts = [len(data[stage.name][0][:steps]) for stage in stages]
+    run = RUNS[recipe](model, stages, counts, args)
     results = []
-    for stage in plan_stages(args):
-        prepare_model(model, stage, args)
+    for stage in stages:
         batches, held_out = data[stage.name]
-        results.append(train_stage(recipe, model, stage, (batches[:steps], held_out), args,
+        results.append(train_stage(recipe, run, model, stage, (batches[:steps], held_out), args,
                                    progress))
-    return results
+    checkpoint = None if fresh is None else run.checkpoint(fresh, data[stages[-1].name][1])
+    return results, checkpoint
 
 
 # --------------------------------------------------------------------------- measuring
@@ -507,10 +560,11 @@ def cpu_threads(count: int):
 
 def optimizer_label(recipe: str, args) -> str:
     if recipe == "torchstruct":
-        return f"ts.optim.AdamW(max_grad_norm={args.clip})"
+        return (f"one ts.optim.AdamW(ts.param_groups(...), max_grad_norm={args.clip}) for all "
+                "stages, a ts.UnfreezeSchedule and a LambdaLR")
     fused = fused_adamw_available(torch.device(args.device).type)
     return (f"clip_grad_norm_(max_norm={args.clip}) + torch.optim.AdamW("
-            + ("fused=True)" if fused else "foreach=True)"))
+            + ("fused=True)" if fused else "foreach=True)") + ", rebuilt at each stage")
 
 
 def run_recipe(recipe: str, args, fresh_process: bool = False) -> dict:
@@ -522,7 +576,7 @@ def run_recipe(recipe: str, args, fresh_process: bool = False) -> dict:
         tuned_heap = fresh_process and device.type == "cpu" and set_mmap_threshold(64 << 10)
         torch.manual_seed(args.seed)
         teacher = TinyTransformer().to(device).eval()
-        student = TinyTransformer().to(device)
+        student = make_student(args).to(device)
         data = make_data(teacher, plan_stages(args), args, device)
         del teacher
         memory = PeakMemory(device)
@@ -531,9 +585,11 @@ def run_recipe(recipe: str, args, fresh_process: bool = False) -> dict:
         peak = memory.peak()
         if tuned_heap:
             set_mmap_threshold(32 << 20)
-        stages = train_all_stages(recipe, student, data, args)
+        fresh = copy.deepcopy(student)  # the starting model, for the checkpoint check
+        stages, checkpoint = train_all_stages(recipe, student, data, args, fresh=fresh)
         threads = torch.get_num_threads()
     return dict(recipe=recipe, device=str(device), threads=threads, stages=stages,
+                checkpoint=checkpoint,
                 seconds=sum(s["seconds"] for s in stages), peak_bytes=peak,
                 memory_method=memory.method(fresh_process, tuned_heap),
                 optimizer=optimizer_label(recipe, args))
@@ -561,7 +617,9 @@ def run_in_child(recipe: str, argv: list[str], args) -> dict | None:
 
 # --------------------------------------------------------------------------- report and plot
 def passed(result: dict) -> bool:
-    return not any(stage["changed"] for stage in result["stages"])
+    c = result.get("checkpoint")
+    reloaded = c is None or c["reloaded_loss"] == c["loss"]
+    return reloaded and not any(stage["changed"] for stage in result["stages"])
 
 
 def final_loss(result: dict, kind: str) -> float:
@@ -626,6 +684,14 @@ def print_report(results: list[dict]) -> None:
     print("time: the full run that follows (a step: forward, gradients, update, EMA)")
     for r in results:
         print(f"{r['recipe']} steps with {r['optimizer']}")
+    for r in results:
+        c = r.get("checkpoint")
+        if c:
+            same = "equal" if c["reloaded_loss"] == c["loss"] else "DIFFERENT"
+            print(f"{r['recipe']} trainable-only checkpoint: {c['keys']} tensors, "
+                  f"{c['bytes'] / 1024:.1f} KiB vs {c['full_bytes'] / 1024:.1f} KiB for the full "
+                  f"state_dict ({100 * c['bytes'] / c['full_bytes']:.1f}%); reloaded into a fresh "
+                  f"model: held-out loss {c['reloaded_loss']:.6f}, {same}")
 
 
 def plot_losses(results: list[dict], path: str) -> None:
@@ -649,7 +715,7 @@ def plot_losses(results: list[dict], path: str) -> None:
                     xytext=(2, -12), textcoords="offset points", fontsize=9)
         start += len(stage["losses"])
     ax.set(xlabel="step", ylabel="training loss (cross-entropy)",
-           title="Staged fine-tuning: " + " vs ".join(r["recipe"] for r in results))
+           title="Gradual unfreezing: " + " vs ".join(r["recipe"] for r in results))
     ax.legend(loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -667,6 +733,8 @@ def parse_args(argv):
     parser.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     parser.add_argument("--ema", type=float, default=0.1, help="EMA rate tau of polyak_update")
     parser.add_argument("--rank", type=int, default=4, help="rank of the adapters")
+    parser.add_argument("--layer-decay", type=float, default=0.75,
+                        help="learning-rate ratio between neighbouring blocks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1,

@@ -72,9 +72,10 @@ def test_both_runs_finish_and_their_checks_pass(small_run):
 def test_the_stages_train_what_they_say(small_run):
     _, out, _ = small_run
     trainable = {name: row[0] for name, row in _stage_rows(out).items()}
-    # head 8x64+8; two blocks of 50.2K; 16 adapters of rank 4 + head; 8 new embedding rows
-    assert trainable == {"head": "520", "last blocks": "100.5K", "adapters": "10.8K",
-                         "new tokens": "512"}
+    # cumulative: head 8x64+8; + two blocks of 50.2K; + 4 adapters of rank 4 (1280 each);
+    # + 8 new embedding rows of 64 (the old rows are masked out)
+    assert trainable == {"head": "520", "last blocks": "100.5K", "adapters": "105.6K",
+                         "new tokens": "106.1K"}
 
 
 def test_the_losses_of_both_runs_decrease_and_agree(small_run):
@@ -106,6 +107,23 @@ def test_the_report_compares_time_and_memory(small_run):
     assert "plain PyTorch steps with clip_grad_norm_(max_norm=1.0) + torch.optim.AdamW(" in out
 
 
+def test_the_trainable_only_checkpoint_reproduces_the_held_out_loss(small_run):
+    _, out, _ = small_run
+    match = re.search(r"^torchstruct trainable-only checkpoint: (\d+) tensors, ([\d.]+) KiB vs "
+                      r"([\d.]+) KiB for the full state_dict \(([\d.]+)%\); reloaded into a fresh "
+                      rf"model: held-out loss {NUMBER}, equal$", out, re.M)
+    assert match, out
+    tensors, small, full, share = (float(v) for v in match.groups()[:4])
+    assert 0 < small < full and tensors > 0 and share < 100
+
+
+def test_one_optimizer_and_a_schedule_drive_the_torchstruct_run(small_run):
+    _, out, _ = small_run
+    assert ("torchstruct steps with one ts.optim.AdamW(ts.param_groups(...), max_grad_norm=1.0) "
+            "for all stages, a ts.UnfreezeSchedule and a LambdaLR") in out
+    assert re.search(r"^plain PyTorch steps with .*, rebuilt at each stage$", out, re.M)
+
+
 def test_the_loss_plot_is_written(small_run):
     pytest.importorskip("matplotlib")
     _, out, png = small_run
@@ -122,7 +140,7 @@ def test_without_matplotlib_the_run_says_so(small_run):
 def test_a_frozen_weight_that_changes_fails_the_run(monkeypatch):
     """The checks are real: a step that also nudges a frozen weight makes the exit code 1."""
     module = _load()
-    step = module.TorchstructStage.step
+    step = module.TorchstructRun.step
 
     def leaky_step(self, loss):
         norm = step(self, loss)
@@ -130,12 +148,12 @@ def test_a_frozen_weight_that_changes_fails_the_run(monkeypatch):
             self.model.norm.weight.add_(1e-3)  # the final norm never trains
         return norm
 
-    monkeypatch.setattr(module.TorchstructStage, "step", leaky_step)
+    monkeypatch.setattr(module.TorchstructRun, "step", leaky_step)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = module.main(["--steps", "2", "--batch", "4", "--no-compare", "--plot", ""])
     out = out.getvalue()
     assert code == 1
-    assert re.search(r"^torchstruct\s+1/4 head\s+.*bitwise unchanged: 50 of 51$", out, re.M)
+    assert re.search(r"^torchstruct\s+1/4 head\s+.*bitwise unchanged: 58 of 59$", out, re.M)
     assert re.search(r"^frozen-weight checks\s+FAILED$", out, re.M)
     assert out.rstrip().endswith("FAILED: a frozen parameter or a masked-out embedding row changed")
