@@ -611,3 +611,174 @@ def test_attaching_the_parent_inside_a_childs_block_restores_every_flag():
         with ts.freeze(parent, "1"):
             assert flags(parent) == [False, False, True, True, False, False]
     assert all(flags(parent)) and consistent(parent)
+
+
+# ----------------------------------------------------------------------------- cases that hold
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                     bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(cfg)
+
+
+def test_gpt2_tied_head_and_embedding_freeze_and_unfreeze_together():
+    g = _tiny_gpt2()
+    assert g.lm_head.weight is g.transformer.wte.weight
+    with ts.freeze(g, "lm_head"):
+        assert not g.transformer.wte.weight.requires_grad
+        assert not ts.is_trainable(g, "transformer.wte.weight") and consistent(g)
+    assert all(flags(g))
+    with ts.freeze_except(g, "transformer.h.1"):
+        with ts.unfreeze(g, "lm_head"):
+            assert g.transformer.wte.weight.requires_grad and consistent(g)
+            names = [p for p, _ in ts.trainable_parameters(g)]
+            assert "transformer.wte.weight" in names and "lm_head.weight" not in names
+        assert not g.transformer.wte.weight.requires_grad and consistent(g)
+    assert all(flags(g)) and consistent(g)
+
+
+def test_gpt2_resize_token_embeddings_inside_a_block_keeps_the_tie_and_restores():
+    g = _tiny_gpt2()
+    ids = torch.randint(0, 50, (2, 8))
+    with ts.freeze(g, "transformer.wte"):
+        g.resize_token_embeddings(60)
+        g(ids)
+        assert g.lm_head.weight is g.transformer.wte.weight
+        assert not g.transformer.wte.weight.requires_grad and consistent(g)
+    assert all(flags(g)) and consistent(g)
+
+
+def test_gpt2_summary_and_trainable_parameters_agree_with_the_flags_after_forward():
+    g = _tiny_gpt2()
+    ts.freeze_except(g, "transformer.h.1.*")
+    g(torch.randint(0, 50, (2, 8)))
+    assert consistent(g)
+    assert ts.summary(g).trainable == sum(p.numel() for p in g.parameters() if p.requires_grad)
+
+
+def test_gpt2_gradient_checkpointing_under_freeze_except_gives_grads_only_to_the_selected():
+    g = _tiny_gpt2()
+    g.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    g.train()
+    ids = torch.randint(0, 50, (2, 8))
+    with ts.freeze_except(g, "transformer.h.1"):
+        g(ids, labels=ids).loss.backward()
+    got = {n for n, p in g.named_parameters() if p.grad is not None}
+    assert got and all(n.startswith("transformer.h.1.") for n in got)
+    assert all(flags(g))
+
+
+def test_peft_lora_contexts_restore_peft_flags():
+    from peft import LoraConfig, get_peft_model
+
+    pm = get_peft_model(_tiny_gpt2(), LoraConfig(r=2, target_modules=["c_attn"],
+                                                 fan_in_fan_out=True))
+    before = {n: p.requires_grad for n, p in pm.named_parameters()}
+    ids = torch.randint(0, 50, (2, 8))
+    with ts.freeze(pm, "*lora_A*"):
+        pm(ids)
+        assert all(p.requires_grad for n, p in pm.named_parameters() if "lora_B" in n)
+        assert not any(p.requires_grad for n, p in pm.named_parameters() if "lora_A" in n)
+        assert consistent(pm)
+    with ts.unfreeze(pm, "*wte*"):
+        assert consistent(pm)
+    assert {n: p.requires_grad for n, p in pm.named_parameters()} == before
+    with ts.freeze(pm):
+        merged = pm.merge_and_unload()
+    assert not any(flags(merged))  # PEFT's own flags on the base model stand
+
+
+def test_mark_trainable_inside_a_block_outlives_it_and_its_removal_restores():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with ts.freeze(m, "1"):
+        ts.mark_trainable(m[0], "bias")
+        assert flags(m) == [False, True, False, False] and consistent(m)
+    assert flags(m) == [False, True, True, True] and consistent(m)
+    ts.mark_trainable(m[0], None)
+    assert all(flags(m)) and consistent(m)
+
+
+def test_overlapping_contexts_left_out_of_order():
+    m = nn.Sequential(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), nn.Linear(3, 1))
+    outer = ts.freeze_except(m, "1")
+    inner = ts.unfreeze(m[0], "0")
+    assert flags(m) == [True, True, False, False, True, True] and consistent(m)
+    outer.__exit__(None, None, None)
+    assert all(flags(m)) and consistent(m)
+    inner.__exit__(None, None, None)
+    assert all(flags(m)) and consistent(m)
+
+
+def test_contexts_on_two_models_sharing_a_submodule():
+    s = nn.Linear(3, 3)
+    a = nn.Sequential(s, nn.Linear(3, 1))
+    b = nn.Sequential(s, nn.Linear(3, 1))
+    with ts.freeze(a, "0"):
+        assert not s.weight.requires_grad and consistent(a) and consistent(b)
+        with ts.unfreeze(b, "0"):  # the inner one wins
+            assert s.weight.requires_grad and consistent(a) and consistent(b)
+        assert not s.weight.requires_grad and consistent(b)
+    assert s.weight.requires_grad and consistent(a) and consistent(b)
+
+
+def test_a_generator_with_its_own_block_closed_inside_another_block():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+
+    def gen():
+        with ts.freeze(m, "0"):
+            yield 1
+            yield 2
+
+    g = gen()
+    next(g)
+    with ts.freeze(m, "1"):
+        assert not any(flags(m))
+        g.close()  # leaves the generator's block, entered before this one
+        assert flags(m) == [True, True, False, False]
+    assert all(flags(m))
+
+
+def test_a_frozen_layer_put_in_place_inside_a_block_is_named_when_turned_on():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    with pytest.warns(ts.RestoredFlagsWarning, match="0.weight"):
+        with ts.freeze(m, "0"):
+            m[0] = nn.Linear(3, 3).requires_grad_(False)
+            m(x3())
+
+
+def test_contexts_with_held_batchnorm_from_two_threads():
+    import sys
+    import threading
+
+    a, b = bn_net(), bn_net()
+    ts.attach(a)
+    ts.attach(b)
+    bad = []
+
+    def work(m, sel, expect):
+        x = x3()
+        for _ in range(100):
+            with ts.freeze(m, sel):
+                before = m[1].running_mean.clone()
+                m(x)
+                if flags(m) != expect or not torch.equal(before, m[1].running_mean):
+                    bad.append(flags(m))
+            m(x)
+            if not m[1].training:
+                bad.append("eval")
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        ts_ = [threading.Thread(target=work, args=(a, "1", [True, True, False, False, True, True])),
+               threading.Thread(target=work, args=(b, ["0", "1"], [False] * 4 + [True, True]))]
+        for t in ts_:
+            t.start()
+        for t in ts_:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert bad == []
+    assert all(flags(a)) and all(flags(b))
