@@ -949,3 +949,72 @@ def test_meta_and_to_empty_inside_and_under_contexts_keep_the_rules():
         m.to("meta")
         m.to_empty(device="cpu")
     assert flags(m) == [False, False, True, True] and consistent(m)
+
+
+# ----------------------------------------------------------------------------- torch.func
+def _grown_model():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    ts.freeze_except(m, "1")
+    m.append(nn.Linear(1, 1))  # registered: the next forward applies the rule to it
+    return m
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch.func.functional_call(m, tensors, x) on an attached model with a pending "
+    "re-application: functional_call puts the user's tensors into _parameters, the root's "
+    "hook applies the flags to *them* (requires_grad_(False) on the user's tensors, whose "
+    "gradients then silently vanish) and marks the tree clean, so the real new head is "
+    "never frozen, also after later forwards (is_trainable says False, the flag is True). "
+    "Expected: the user's tensors untouched and the model's own parameters ruled.",
+)
+def test_functional_call_on_a_model_with_a_pending_application():
+    m = _grown_model()
+    x = x3()
+    tensors = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+    torch.func.functional_call(m, tensors, (x,))
+    assert all(t.requires_grad for t in tensors.values())
+    m(x)
+    assert not m[2].weight.requires_grad and consistent(m)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch.func.grad over functional_call of an attached model with a pending "
+    "re-application raises 'You are attempting to call Tensor.requires_grad_() ... inside of "
+    "a function being transformed by a functorch transform' from the root's forward "
+    "pre-hook (the same call works on a plain model and on a clean attached one). Expected: "
+    "the hook does not write flags on tensors put in by functional_call / functorch.",
+)
+def test_torch_func_grad_over_functional_call_on_a_model_with_a_pending_application():
+    m = _grown_model()
+    x = x3()
+    tensors = {k: v.detach().clone() for k, v in m.named_parameters()}
+    g = torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).sum())(tensors)
+    assert set(g) == set(tensors)
+
+
+def test_functional_call_and_torch_func_grad_on_a_clean_attached_model():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    ts.freeze_except(m, "1")
+    m(x3())
+    x = x3()
+    tensors = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+    torch.func.functional_call(m, tensors, (x,)).sum().backward()
+    assert all(t.grad is not None for t in tensors.values())
+    g = torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).sum())(
+        {k: v.detach() for k, v in tensors.items()})
+    assert all(torch.allclose(g[k], tensors[k].grad) for k in g)
+    assert flags(m) == [False, False, True, True] and consistent(m)
+
+
+@pytest.mark.parametrize("name", ["orthogonal", "spectral_norm"])
+def test_single_tensor_parametrizations_inside_a_block_restore(name):
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    w = m[0].weight
+    with ts.freeze(m, "0"):
+        getattr(torch.nn.utils.parametrizations, name)(m[0])
+        m(x3())
+        assert not w.requires_grad and consistent(m)
+    assert m[0].parametrizations.weight.original is w
+    assert all(flags(m)) and consistent(m)
