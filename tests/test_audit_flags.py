@@ -1043,3 +1043,85 @@ def test_single_tensor_parametrizations_inside_a_block_restore(name):
         assert not w.requires_grad and consistent(m)
     assert m[0].parametrizations.weight.original is w
     assert all(flags(m)) and consistent(m)
+
+
+# ----------------------------------------------------------------------------- against a brute-force model
+def _declared(mod):
+    from torchstruct.declare import declared
+
+    return declared(mod)
+
+
+def test_random_stacks_of_contexts_match_a_brute_force_fold():
+    """Random contexts entered and left in random order (also out of order), with flag writes
+    by the user in between: the flags after every step equal a brute-force fold (starting
+    flags, then the active contexts in entry order), and the reads agree with them.
+
+    The documented rule for writes by others: at the next application, a flag that differs
+    from the one torchstruct last wrote is the new starting flag; a flag equal to it (also
+    after several writes that cancel out) is not seen."""
+    import random
+
+    rng = random.Random(0)
+    selectors = ["0", "1", "1.0", "1.1.bias", "2.*", "*bias"]
+    for _ in range(60):
+        m = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)),
+                          nn.Linear(2, 1))
+        paths = [p for p, _ in m.named_parameters()]
+        params = dict(m.named_parameters())
+        start = {p: rng.random() < 0.8 for p in paths}
+        for p in paths:
+            params[p].requires_grad_(start[p])
+        ts.attach(m)
+        written = dict(start)
+        active = []  # (kind, selected paths, ctx)
+        for _ in range(14):
+            r = rng.random()
+            if r < 0.2:  # the user writes a flag (seen, or not, at the next application)
+                p = rng.choice(paths)
+                params[p].requires_grad_(rng.random() < 0.5)
+                continue
+            for p in paths:  # what the next application sees
+                if params[p].requires_grad is not written[p]:
+                    start[p] = params[p].requires_grad
+            if r < 0.3:  # a declaration changes (or is removed)
+                target, names = rng.choice([(m[0], ["weight", "bias"]), (m[1], ["0", "1"]),
+                                            (m, ["0", "1", "2"])])
+                pick = [n for n in names if rng.random() < 0.5]
+                ts.mark_trainable(target, *(pick if rng.random() < 0.7 else [None]))
+            elif r < 0.6 or not active:
+                kind = rng.choice(["freeze", "freeze_except", "unfreeze"])
+                sel = rng.choice(selectors)
+                chosen = {p for p, _ in ts.select(m, sel)}
+                active.append((kind, chosen, getattr(ts, kind)(m, sel)))
+            else:
+                kind, chosen, ctx = active.pop(rng.randrange(len(active)))
+                ctx.__exit__(None, None, None)
+            want = dict(start)
+            for kind, chosen, _ in active:
+                for p in paths:
+                    if kind == "freeze" and p in chosen:
+                        want[p] = False
+                    elif kind == "freeze_except" and p not in chosen:
+                        want[p] = False
+                    elif kind == "unfreeze" and p in chosen:
+                        want[p] = True
+            for p in paths:  # every declaration along the path admits it
+                mod = m
+                for name in p.split("."):
+                    names = _declared(mod)
+                    if names is not None and name not in names:
+                        want[p] = False
+                    mod = getattr(mod, name, None) if isinstance(mod, nn.Module) else None
+            assert {p: params[p].requires_grad for p in paths} == want
+            assert consistent(m)
+            written = want
+        for p in paths:
+            if params[p].requires_grad is not written[p]:
+                start[p] = params[p].requires_grad
+        for _, _, ctx in reversed(active):
+            ctx.__exit__(None, None, None)
+        for target in (m, m[0], m[1]):
+            ts.mark_trainable(target, None)
+        assert {p: params[p].requires_grad for p in paths} == start
+        assert consistent(m)
