@@ -1053,8 +1053,8 @@ def _declared(mod):
 
 
 def test_random_stacks_of_contexts_match_a_brute_force_fold():
-    """Random contexts entered and left in random order (also out of order), with flag writes
-    by the user in between: the flags after every step equal a brute-force fold (starting
+    """Random contexts entered and left in random order (also out of order), declarations
+    changed and flag writes by the user in between: the flags after every step equal a brute-force fold (starting
     flags, then the active contexts in entry order), and the reads agree with them.
 
     The documented rule for writes by others: at the next application, a flag that differs
@@ -1125,3 +1125,45 @@ def test_random_stacks_of_contexts_match_a_brute_force_fold():
             ts.mark_trainable(target, None)
         assert {p: params[p].requires_grad for p in paths} == start
         assert consistent(m)
+
+
+def test_random_contexts_on_two_models_sharing_a_submodule_match_a_brute_force_fold():
+    import random
+
+    rng = random.Random(1)
+    for _ in range(60):
+        s = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        a = nn.Sequential(s, nn.Linear(2, 2))
+        b = nn.Sequential(nn.Linear(2, 2), s)
+        for model in (a, b):
+            if rng.random() < 0.5:
+                ts.attach(model)
+        every = {id(p): p for p in list(a.parameters()) + list(b.parameters())}
+        active = []
+        for _ in range(10):
+            if rng.random() < 0.6 or not active:
+                model = rng.choice([a, b, s])
+                kind = rng.choice(["freeze", "freeze_except", "unfreeze"])
+                sel = rng.choice(["0", "1", "*bias", "1.*"])
+                try:
+                    chosen = {id(p) for _, p in ts.select(model, sel)}
+                except ValueError:  # a typo-like selector: nothing entered
+                    continue
+                active.append((kind, model, chosen, getattr(ts, kind)(model, sel)))
+            else:
+                *_, ctx = active.pop(rng.randrange(len(active)))
+                ctx.__exit__(None, None, None)
+            want = {i: True for i in every}
+            for kind, model, chosen, _ in active:
+                for p in model.parameters():
+                    if kind == "freeze" and id(p) in chosen:
+                        want[id(p)] = False
+                    elif kind == "freeze_except" and id(p) not in chosen:
+                        want[id(p)] = False
+                    elif kind == "unfreeze" and id(p) in chosen:
+                        want[id(p)] = True
+            assert {i: p.requires_grad for i, p in every.items()} == want
+            assert consistent(a) and consistent(b) and consistent(s)
+        for *_, ctx in reversed(active):
+            ctx.__exit__(None, None, None)
+        assert all(p.requires_grad for p in every.values())
