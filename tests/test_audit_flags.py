@@ -1191,3 +1191,25 @@ def test_a_context_on_a_scripted_module_behaves_the_same_every_time():
         return ("ok", inside, flags(sm))
 
     assert attempt() == attempt()
+
+
+# ----------------------------------------------------------------------------- the root dies, a part lives on
+@pytest.mark.xfail(
+    strict=True,
+    reason="keep a submodule (backbone = model[0]) and drop a model that has a bare freeze: "
+    "no live state governs the backbone any more, yet its BatchNorm stays in "
+    "_state.frozen_norms, so its norm hooks keep holding the statistics for good, and its "
+    "parameters stay frozen while ts.is_trainable(backbone, ...) says True. Flags: hooks never "
+    "act on a model no live torchstruct state governs. Expected: plain PyTorch behaviour "
+    "(statistics update, starting flags back) once the owner is gone.",
+)
+def test_a_kept_submodule_of_a_dropped_model_behaves_as_plain_pytorch():
+    model = nn.Sequential(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), nn.Linear(3, 1))
+    ts.freeze(model, "0")
+    backbone = model[0]
+    del model
+    gc.collect()
+    before = backbone[1].running_mean.clone()
+    backbone(x3())
+    assert not torch.equal(before, backbone[1].running_mean)
+    assert all(flags(backbone)) and consistent(backbone)
