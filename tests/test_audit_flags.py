@@ -37,7 +37,7 @@ def consistent(model):
     return said == real
 
 
-# ----------------------------------------------------------------------------- norm statistics
+# --------------------------------------------------------------------------------- norm statistics
 @pytest.mark.xfail(
     strict=True,
     reason="two attached models sharing a BatchNorm each install a _norm_pre/_norm_post pair "
@@ -228,7 +228,7 @@ def test_a_layer_added_to_a_submodule_follows_a_bare_context_at_the_submodule_fo
     assert consistent(m)
 
 
-# ----------------------------------------------------------------------------- leaving the model
+# ------------------------------------------------------------------------------- leaving the model
 @pytest.mark.xfail(
     strict=True,
     reason="a module deleted from a model under a bare (permanent) freeze keeps "
@@ -305,7 +305,7 @@ def test_a_layer_moved_to_another_attached_model_inside_a_block_gets_its_flag_ba
     assert moved.weight.requires_grad and consistent(b) and all(flags(a))
 
 
-# ----------------------------------------------------------------------------- parametrizations
+# -------------------------------------------------------------------------------- parametrizations
 class _Symmetric(nn.Module):
     def forward(self, w):
         return w.triu() + w.triu(1).T
@@ -368,7 +368,9 @@ def test_new_weight_norm_inside_a_block_trains_again_after_it():
         with ts.freeze(m, "0"):
             torch.nn.utils.parametrizations.weight_norm(m[0])
             m(x3())
-    said = " ".join(str(w.message) for w in caught if issubclass(w.category, ts.RestoredFlagsWarning))
+    said = " ".join(
+        str(w.message) for w in caught if issubclass(w.category, ts.RestoredFlagsWarning)
+    )
     assert all(flags(m)) or "original0" in said
 
 
@@ -397,7 +399,8 @@ def test_swap_module_params_on_conversion_works_on_an_attached_model():
 @pytest.mark.parametrize("how", ["half", "to", "load_state_dict", "load_state_dict_assign"])
 def test_conversions_inside_a_block_restore_the_flags(how):
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
-    state = {k: v.clone() for k, v in nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)).state_dict().items()}
+    other = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    state = {k: v.clone() for k, v in other.state_dict().items()}
     with ts.freeze(m, "0"):
         if how == "half":
             m.half()
@@ -431,7 +434,7 @@ def test_lazy_layer_materialized_inside_a_block_on_other_parameters():
     assert all(flags(m)) and consistent(m)
 
 
-# ----------------------------------------------------------------------------- selectors, evaluated when
+#  # ----------------------------------------------------------------------------- selectors, evaluated when
 @pytest.mark.xfail(
     strict=True,
     reason="selectors are evaluated again at every application: a callable selector reading "
@@ -476,7 +479,7 @@ def test_a_glob_selector_covers_a_head_added_inside_the_block():
     assert all(flags(m))
 
 
-# ----------------------------------------------------------------------------- structural gradients
+# ---------------------------------------------------------------------------- structural gradients
 @pytest.mark.xfail(
     strict=True,
     reason="value_and_grad(wrt=) on a model with a registration pending from before the call "
@@ -511,7 +514,7 @@ def test_value_and_grad_wrt_a_frozen_parameter_gives_its_gradient_and_changes_no
     assert flags(m) == [False, False, True, True] and consistent(m)
 
 
-# ----------------------------------------------------------------------------- swa_utils
+# --------------------------------------------------------------------------------------- swa_utils
 @pytest.mark.xfail(
     strict=True,
     reason="torch.optim.swa_utils.update_bn(loader, model) on a model whose BatchNorm is "
@@ -543,7 +546,7 @@ def test_update_bn_on_an_averaged_copy_of_a_model_with_frozen_batchnorm():
         assert torch.allclose(swa.module[1].running_mean, h.mean(0), atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- norm layers frozen by others
+#  # ----------------------------------------------------------------------------- norm layers frozen by others
 def _tiny_resnet():
     from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -605,7 +608,7 @@ def test_a_block_elsewhere_does_not_hold_a_batchnorm_the_user_froze_by_hand():
     assert all(_stats_move(net, [net[1]], x3()))
 
 
-# ----------------------------------------------------------------------------- attaching a parent later
+#  # ----------------------------------------------------------------------------- attaching a parent later
 @pytest.mark.xfail(
     strict=True,
     reason="ts.attach(parent) inside a block on an attached child that had grown before: the "
@@ -638,7 +641,7 @@ def test_attaching_the_parent_inside_a_childs_block_restores_every_flag():
     assert all(flags(parent)) and consistent(parent)
 
 
-# ----------------------------------------------------------------------------- cases that hold
+# --------------------------------------------------------------------------------- cases that hold
 def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -809,7 +812,7 @@ def test_contexts_with_held_batchnorm_from_two_threads():
     assert all(flags(a)) and all(flags(b))
 
 
-# ----------------------------------------------------------------------------- more renames and writes
+#  # ----------------------------------------------------------------------------- more renames and writes
 @pytest.mark.xfail(
     strict=True,
     reason="mark_trainable(lin, 'weight') then torch.nn.utils.prune.l1_unstructured(lin, "
@@ -885,7 +888,7 @@ def test_contexts_under_inference_mode_and_inside_a_compiled_function():
         assert all(flags(m))
 
 
-# ----------------------------------------------------------------------------- shared and leaving submodules
+#  # ----------------------------------------------------------------------------- shared and leaving submodules
 @pytest.mark.xfail(
     strict=True,
     reason="a declaration on model A (mark_trainable(A): nothing of A trains) over a "
@@ -942,7 +945,7 @@ def test_a_context_on_one_model_is_seen_by_another_sharing_the_submodule():
     assert s.weight.requires_grad and consistent(b)
 
 
-# ----------------------------------------------------------------------------- errors change nothing
+#  # ----------------------------------------------------------------------------- errors change nothing
 @pytest.mark.xfail(
     strict=True,
     reason="value_and_grad(fn, m, wrt='0.weight') on a model with a not yet materialized "
@@ -976,7 +979,7 @@ def test_meta_and_to_empty_inside_and_under_contexts_keep_the_rules():
     assert flags(m) == [False, False, True, True] and consistent(m)
 
 
-# ----------------------------------------------------------------------------- torch.func
+# -------------------------------------------------------------------------------------- torch.func
 def _grown_model():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     ts.freeze_except(m, "1")
@@ -1045,7 +1048,7 @@ def test_single_tensor_parametrizations_inside_a_block_restore(name):
     assert all(flags(m)) and consistent(m)
 
 
-# ----------------------------------------------------------------------------- against a brute-force model
+#  # ----------------------------------------------------------------------------- against a brute-force model
 def _declared(mod):
     from torchstruct.declare import declared
 
@@ -1054,8 +1057,9 @@ def _declared(mod):
 
 def test_random_stacks_of_contexts_match_a_brute_force_fold():
     """Random contexts entered and left in random order (also out of order), declarations
-    changed and flag writes by the user in between: the flags after every step equal a brute-force fold (starting
-    flags, then the active contexts in entry order), and the reads agree with them.
+    changed and flag writes by the user in between: the flags after every step equal a
+    brute-force fold (starting flags, then the active contexts in entry order, then the
+    declarations), and the reads agree with them.
 
     The documented rule for writes by others: at the next application, a flag that differs
     from the one torchstruct last wrote is the new starting flag; a flag equal to it (also
@@ -1169,7 +1173,7 @@ def test_random_contexts_on_two_models_sharing_a_submodule_match_a_brute_force_f
         assert all(p.requires_grad for p in every.values())
 
 
-# ----------------------------------------------------------------------------- scripted modules
+# -------------------------------------------------------------------------------- scripted modules
 @pytest.mark.xfail(
     strict=True,
     reason="ts.freeze on a torch.jit.script module: the first call registers a state and "
@@ -1193,7 +1197,7 @@ def test_a_context_on_a_scripted_module_behaves_the_same_every_time():
     assert attempt() == attempt()
 
 
-# ----------------------------------------------------------------------------- the root dies, a part lives on
+#  # ----------------------------------------------------------------------------- the root dies, a part lives on
 @pytest.mark.xfail(
     strict=True,
     reason="keep a submodule (backbone = model[0]) and drop a model that has a bare freeze: "
@@ -1215,7 +1219,7 @@ def test_a_kept_submodule_of_a_dropped_model_behaves_as_plain_pytorch():
     assert all(flags(backbone)) and consistent(backbone)
 
 
-# ----------------------------------------------------------------------------- parameter objects replaced
+#  # ----------------------------------------------------------------------------- parameter objects replaced
 @pytest.mark.xfail(
     strict=True,
     reason="`with ts.freeze(m, m[0].weight)` (a Parameter selector) then "
