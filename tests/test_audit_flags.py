@@ -434,7 +434,7 @@ def test_lazy_layer_materialized_inside_a_block_on_other_parameters():
     assert all(flags(m)) and consistent(m)
 
 
-#  # ----------------------------------------------------------------------------- selectors, evaluated when
+# ----------------------------------------------------------------------- selectors, evaluated when
 @pytest.mark.xfail(
     strict=True,
     reason="selectors are evaluated again at every application: a callable selector reading "
@@ -546,7 +546,7 @@ def test_update_bn_on_an_averaged_copy_of_a_model_with_frozen_batchnorm():
         assert torch.allclose(swa.module[1].running_mean, h.mean(0), atol=1e-5)
 
 
-#  # ----------------------------------------------------------------------------- norm layers frozen by others
+# -------------------------------------------------------------------- norm layers frozen by others
 def _tiny_resnet():
     from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -608,7 +608,7 @@ def test_a_block_elsewhere_does_not_hold_a_batchnorm_the_user_froze_by_hand():
     assert all(_stats_move(net, [net[1]], x3()))
 
 
-#  # ----------------------------------------------------------------------------- attaching a parent later
+# ------------------------------------------------------------------------ attaching a parent later
 @pytest.mark.xfail(
     strict=True,
     reason="ts.attach(parent) inside a block on an attached child that had grown before: the "
@@ -800,8 +800,10 @@ def test_contexts_with_held_batchnorm_from_two_threads():
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)
     try:
-        ts_ = [threading.Thread(target=work, args=(a, "1", [True, True, False, False, True, True])),
-               threading.Thread(target=work, args=(b, ["0", "1"], [False] * 4 + [True, True]))]
+        ts_ = [
+            threading.Thread(target=work, args=(a, "1", [True, True, False, False, True, True])),
+            threading.Thread(target=work, args=(b, ["0", "1"], [False] * 4 + [True, True])),
+        ]
         for t in ts_:
             t.start()
         for t in ts_:
@@ -812,7 +814,7 @@ def test_contexts_with_held_batchnorm_from_two_threads():
     assert all(flags(a)) and all(flags(b))
 
 
-#  # ----------------------------------------------------------------------------- more renames and writes
+# ------------------------------------------------------------------------- more renames and writes
 @pytest.mark.xfail(
     strict=True,
     reason="mark_trainable(lin, 'weight') then torch.nn.utils.prune.l1_unstructured(lin, "
@@ -888,7 +890,7 @@ def test_contexts_under_inference_mode_and_inside_a_compiled_function():
         assert all(flags(m))
 
 
-#  # ----------------------------------------------------------------------------- shared and leaving submodules
+# ------------------------------------------------------------------- shared and leaving submodules
 @pytest.mark.xfail(
     strict=True,
     reason="a declaration on model A (mark_trainable(A): nothing of A trains) over a "
@@ -945,7 +947,7 @@ def test_a_context_on_one_model_is_seen_by_another_sharing_the_submodule():
     assert s.weight.requires_grad and consistent(b)
 
 
-#  # ----------------------------------------------------------------------------- errors change nothing
+# --------------------------------------------------------------------------- errors change nothing
 @pytest.mark.xfail(
     strict=True,
     reason="value_and_grad(fn, m, wrt='0.weight') on a model with a not yet materialized "
@@ -1048,7 +1050,7 @@ def test_single_tensor_parametrizations_inside_a_block_restore(name):
     assert all(flags(m)) and consistent(m)
 
 
-#  # ----------------------------------------------------------------------------- against a brute-force model
+# --------------------------------------------------------------------- against a brute-force model
 def _declared(mod):
     from torchstruct.declare import declared
 
@@ -1197,7 +1199,7 @@ def test_a_context_on_a_scripted_module_behaves_the_same_every_time():
     assert attempt() == attempt()
 
 
-#  # ----------------------------------------------------------------------------- the root dies, a part lives on
+# ------------------------------------------------------------------ the root dies, a part lives on
 @pytest.mark.xfail(
     strict=True,
     reason="keep a submodule (backbone = model[0]) and drop a model that has a bare freeze: "
@@ -1219,7 +1221,7 @@ def test_a_kept_submodule_of_a_dropped_model_behaves_as_plain_pytorch():
     assert all(flags(backbone)) and consistent(backbone)
 
 
-#  # ----------------------------------------------------------------------------- parameter objects replaced
+# ---------------------------------------------------------------------- parameter objects replaced
 @pytest.mark.xfail(
     strict=True,
     reason="`with ts.freeze(m, m[0].weight)` (a Parameter selector) then "
