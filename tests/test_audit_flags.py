@@ -38,13 +38,6 @@ def consistent(model):
 
 
 # --------------------------------------------------------------------------------- norm statistics
-@pytest.mark.xfail(
-    strict=True,
-    reason="two attached models sharing a BatchNorm each install a _norm_pre/_norm_post pair "
-    "on it; the second _norm_pre saves training=False, so after one forward the layer is left "
-    "in eval mode for good (statistics never update again, also after the block). Expected: "
-    "one pair of norm hooks per layer, training restored after every forward.",
-)
 def test_a_batchnorm_shared_by_two_attached_models_keeps_its_training_mode():
     bn = nn.BatchNorm1d(3)
     a = nn.Sequential(nn.Linear(3, 3), bn)
@@ -58,13 +51,6 @@ def test_a_batchnorm_shared_by_two_attached_models_keeps_its_training_mode():
     assert bn.training
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a deepcopy of a model whose BatchNorm is held carries the inert norm hooks; once "
-    "the copy is frozen itself a second pair is installed, and the first forward leaves the "
-    "copy's BatchNorm in eval mode for good. Expected: training restored after the forward "
-    "(e.g. reuse or drop the inert hooks when the copy is attached).",
-)
 def test_a_copy_frozen_itself_keeps_its_batchnorm_training_mode():
     net = bn_net()
     ts.freeze(net, "1")  # permanent: the layer's statistics are held
@@ -572,15 +558,6 @@ def test_hf_resnet_batchnorm_held_inside_freeze_except_and_released_after():
     assert all(_stats_move(rn, bns, img))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BatchNorm layers frozen by PEFT (get_peft_model freezes the base model) keep "
-    "updating their statistics in plain PyTorch; one torchstruct block on an unrelated part "
-    "(`with ts.freeze(pm, '*lora_A*'): pass`) makes every such layer hold its statistics for "
-    "good, after the block too: the training forward silently changes (running instead of "
-    "batch statistics). Expected (Flags: a starting flag set by PEFT is respected): only layers "
-    "that torchstruct froze (a context or declaration) are held.",
-)
 def test_a_block_elsewhere_does_not_hold_batchnorms_that_peft_froze():
     from peft import LoraConfig, get_peft_model
 
@@ -593,13 +570,6 @@ def test_a_block_elsewhere_does_not_hold_batchnorms_that_peft_froze():
     assert all(_stats_move(pm, bns, pixel_values=img))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the same without PEFT: net[1].requires_grad_(False) by the user (BN affine frozen, "
-    "statistics meant to update), then `with ts.freeze(net, '2')` on another layer holds the "
-    "BatchNorm's statistics inside the block and after it. Expected: a layer the user froze "
-    "by hand behaves as in PyTorch.",
-)
 def test_a_block_elsewhere_does_not_hold_a_batchnorm_the_user_froze_by_hand():
     net = bn_net()
     net[1].requires_grad_(False)
@@ -989,15 +959,6 @@ def _grown_model():
     return m
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.func.functional_call(m, tensors, x) on an attached model with a pending "
-    "re-application: functional_call puts the user's tensors into _parameters, the root's "
-    "hook applies the flags to *them* (requires_grad_(False) on the user's tensors, whose "
-    "gradients then silently vanish) and marks the tree clean, so the real new head is "
-    "never frozen, also after later forwards (is_trainable says False, the flag is True). "
-    "Expected: the user's tensors untouched and the model's own parameters ruled.",
-)
 def test_functional_call_on_a_model_with_a_pending_application():
     m = _grown_model()
     x = x3()
@@ -1008,14 +969,6 @@ def test_functional_call_on_a_model_with_a_pending_application():
     assert not m[2].weight.requires_grad and consistent(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.func.grad over functional_call of an attached model with a pending "
-    "re-application raises 'You are attempting to call Tensor.requires_grad_() ... inside of "
-    "a function being transformed by a functorch transform' from the root's forward "
-    "pre-hook (the same call works on a plain model and on a clean attached one). Expected: "
-    "the hook does not write flags on tensors put in by functional_call / functorch.",
-)
 def test_torch_func_grad_over_functional_call_on_a_model_with_a_pending_application():
     m = _grown_model()
     x = x3()
@@ -1176,15 +1129,6 @@ def test_random_contexts_on_two_models_sharing_a_submodule_match_a_brute_force_f
 
 
 # -------------------------------------------------------------------------------- scripted modules
-@pytest.mark.xfail(
-    strict=True,
-    reason="ts.freeze on a torch.jit.script module: the first call registers a state and "
-    "then fails installing the forward pre-hook (PyTorch's 'register_forward_pre_hook is not "
-    "supported on ScriptModules', no torchstruct message); the state stays registered "
-    "without a hook, so the same call a second time succeeds. Expected: the same outcome "
-    "every time (contexts that change flags without hooks, or always a clear error), and a "
-    "failed call leaves no state behind.",
-)
 def test_a_context_on_a_scripted_module_behaves_the_same_every_time():
     sm = torch.jit.script(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
 

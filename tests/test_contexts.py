@@ -435,11 +435,14 @@ def test_frozen_norm_keeps_running_stats(idx, how):
     elif how == "declaration":
         ts.mark_trainable(m, "0")
         ctx = None
-    else:
+    else:  # frozen by hand: not torchstruct's to hold; plain PyTorch behaviour
         for p in norm.parameters():
             p.requires_grad_(False)
         ts.attach(m)
-        ctx = None
+        m(x)
+        assert norm.training is True
+        assert not torch.equal(norm.running_mean, before[0])
+        return
     assert not any(p.requires_grad for p in norm.parameters())
     out = m(x)
     assert norm.training is True and m.training is True

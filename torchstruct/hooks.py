@@ -61,6 +61,10 @@ class State:
             return []
         with _state.LOCK:
             idx, base, flags = effective(root, self.last)
+            if not all(isinstance(p, nn.Parameter) for p in idx.params):
+                # tensors standing in for parameters (torch.func.functional_call): not ours to
+                # write; applied once the parameters are back
+                return []
             new = [(path, p, flags[id(p)]) for path, p in idx]
             changes = [c for c in new if c[1].requires_grad is not c[2]]
             for path, p, flag in changes:
@@ -119,6 +123,8 @@ class State:
         params = [p for p in mod._parameters.values() if p is not None]
         if not (self.freeze_norm_stats and params) or any(p.requires_grad for p in params):
             return False
+        if not any(_frozen_by_us(p) for p in params):  # frozen by PEFT or by hand: plain
+            return False
         for entry in _state.entries:  # contexts whose scope holds the layer may opt out
             scope = entry.scope()
             if not entry.freeze_norm_stats and scope is not None and any(
@@ -146,6 +152,12 @@ class State:
                 ]
                 self.norm_hooks[key] = (weakref.ref(mod), handles)
                 _state.frozen_norms[key] = mod
+
+
+def _frozen_by_us(p) -> bool:
+    """Whether torchstruct holds ``p`` frozen (its starting flag is on)."""
+    rec = _state.record(p)
+    return rec is not None and rec[0] and not rec[1] and not p.requires_grad
 
 
 # ----------------------------------------------------------------------------- the hooks
@@ -179,7 +191,9 @@ def _held(module: nn.Module) -> bool:
 
 
 def _norm_pre(module: nn.Module, _args) -> None:
-    if _held(module):  # only a layer a live state holds: never a copy's
+    # Only a layer a live state holds, never a copy's; once per forward, also when the layer
+    # carries several pairs of these hooks (shared by two models, or a copy attached itself).
+    if _held(module) and "_torchstruct_was_training" not in module.__dict__:
         module.__dict__["_torchstruct_was_training"] = module.training
         module.training = False  # normalize with, and never update, the running statistics
 
@@ -219,7 +233,11 @@ def state_for(module: nn.Module) -> State:
             _state.states.pop(id(other.root()), None)
             st.members.update(other.members)  # released at the first application if gone
     _state.states[id(module)] = st
-    st.install()
+    try:
+        st.install()
+    except BaseException:  # e.g. a scripted module refuses Python hooks: no state is left
+        _state.states.pop(id(module), None)
+        raise
     return st
 
 
