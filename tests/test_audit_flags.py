@@ -243,13 +243,6 @@ def test_a_module_replaced_under_a_bare_context_gets_its_flag_back_at_the_next_f
     assert not m[1].weight.requires_grad and consistent(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a bare freeze on a model that is then garbage collected ends with its model "
-    "(its entry is dropped), but the flags it wrote stay: a submodule shared with another, "
-    "attached model stays frozen there for good while ts.is_trainable(other, ...) says True. "
-    "Expected: the shared parameters get their starting flag back when the context ends.",
-)
 def test_a_bare_context_on_a_collected_model_releases_a_shared_submodule():
     lin = nn.Linear(3, 3)
     other = nn.Sequential(lin, nn.Linear(3, 1))
@@ -466,14 +459,6 @@ def test_a_glob_selector_covers_a_head_added_inside_the_block():
 
 
 # ---------------------------------------------------------------------------- structural gradients
-@pytest.mark.xfail(
-    strict=True,
-    reason="value_and_grad(wrt=) on a model with a registration pending from before the call "
-    "(a head appended earlier): the callable's forward re-applies the declarations and turns "
-    "the asked parameter off, so the call raises 'stopped requiring grad during the loss "
-    "call' although the user changed nothing inside it. Expected: pending applications done "
-    "before the asked flags are written; the gradient returned.",
-)
 def test_value_and_grad_wrt_a_frozen_parameter_after_a_registration_before_the_call():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     ts.freeze(m, "0")
@@ -884,14 +869,6 @@ def test_a_declaration_on_one_model_is_seen_by_another_sharing_the_submodule():
     assert consistent(b)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="`with ts.freeze(sub)` on a submodule, then sub leaves the model (del m[0]) and the "
-    "model runs a forward after a registration: the model's application releases sub's "
-    "parameters to their starting flag although the block on sub itself is still active "
-    "(is_trainable(sub, 'weight') says False, the flag is True). Expected: a parameter that "
-    "leaves is released only from the contexts of the model it left.",
-)
 def test_a_block_on_a_submodule_holds_after_the_submodule_leaves_the_model():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     ts.attach(m)
@@ -918,14 +895,6 @@ def test_a_context_on_one_model_is_seen_by_another_sharing_the_submodule():
 
 
 # --------------------------------------------------------------------------- errors change nothing
-@pytest.mark.xfail(
-    strict=True,
-    reason="value_and_grad(fn, m, wrt='0.weight') on a model with a not yet materialized "
-    "LazyLinear: the per-call flag writes (grad._only.__enter__) run one parameter at a time "
-    "and PyTorch refuses requires_grad_ on the uninitialized parameter midway; the exception "
-    "leaves '0.bias' frozen for good (is_trainable says True). §Errors: a failing call leaves "
-    "every flag as it was (validate before writing, or undo the writes done).",
-)
 def test_value_and_grad_wrt_on_an_unmaterialized_lazy_model_leaves_the_flags():
     m = nn.Sequential(nn.Linear(3, 3), nn.LazyLinear(1))
     x = x3()
@@ -1144,15 +1113,6 @@ def test_a_context_on_a_scripted_module_behaves_the_same_every_time():
 
 
 # ------------------------------------------------------------------ the root dies, a part lives on
-@pytest.mark.xfail(
-    strict=True,
-    reason="keep a submodule (backbone = model[0]) and drop a model that has a bare freeze: "
-    "no live state governs the backbone any more, yet its BatchNorm stays in "
-    "_state.frozen_norms, so its norm hooks keep holding the statistics for good, and its "
-    "parameters stay frozen while ts.is_trainable(backbone, ...) says True. Flags: hooks never "
-    "act on a model no live torchstruct state governs. Expected: plain PyTorch behaviour "
-    "(statistics update, starting flags back) once the owner is gone.",
-)
 def test_a_kept_submodule_of_a_dropped_model_behaves_as_plain_pytorch():
     model = nn.Sequential(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), nn.Linear(3, 1))
     ts.freeze(model, "0")

@@ -69,6 +69,14 @@ def declared(module: nn.Module) -> frozenset[str] | None:
     """
     mark = module.__dict__.get(_MARK)
     if mark is not None:
+        gone = mark.difference(_own_names(module))
+        if gone:  # renamed since (a parametrization, pruning): never freeze it silently
+            raise ValueError(
+                f"mark_trainable on a {type(module).__name__}: {sorted(gone)} no longer name a "
+                f"direct parameter or child (it has: {_closest(sorted(gone)[0], _own_names(module))}"
+                "); a parametrization or pruning renames parameters: declare the new names "
+                "with ts.mark_trainable again"
+            )
         return mark
     method = getattr(type(module), "trainable", None)
     if not callable(method):

@@ -43,6 +43,7 @@ from . import _dtensor, _state
 from . import tree as _tree
 from .distributed import average_gradients, ddp_wrapper
 from .declare import trainable_parameters
+from .hooks import apply_pending
 from .select import index, select
 
 __all__ = ["structural_grad", "value_and_grad", "grad_tree"]
@@ -75,25 +76,37 @@ class _only:
     """
 
     def __init__(self, model: nn.Module, asked: Pairs) -> None:
+        self.model = model
         self.params = index(model).params
         self.ids = {id(p) for _, p in asked}
 
     def __enter__(self) -> None:
         with _state.LOCK:
+            apply_pending(self.model)  # else the hook would apply during the call
             self.before = [(p.requires_grad, _state.record(p)) for p in self.params]
-            for p, (flag, rec) in zip(self.params, self.before):
-                base = rec[0] if rec is not None and flag is rec[1] else flag
-                p.requires_grad_(id(p) in self.ids)
-                _state.set_record(p, base, id(p) in self.ids)
+            done = 0
+            try:
+                for p, (flag, rec) in zip(self.params, self.before):
+                    base = rec[0] if rec is not None and flag is rec[1] else flag
+                    p.requires_grad_(id(p) in self.ids)
+                    _state.set_record(p, base, id(p) in self.ids)
+                    done += 1
+            except BaseException:  # e.g. an unmaterialized lazy parameter: nothing changed
+                self._restore(done + 1)
+                raise
 
     def __exit__(self, *exc) -> None:
         with _state.LOCK:
-            for p, (flag, rec) in zip(self.params, self.before):
+            self._restore(len(self.params))
+
+    def _restore(self, count: int) -> None:
+        for p, (flag, rec) in zip(self.params[:count], self.before):
+            if p.requires_grad is not flag:
                 p.requires_grad_(flag)
-                if rec is None:
-                    _state.forget(p)
-                else:
-                    _state.set_record(p, *rec)
+            if rec is None:
+                _state.forget(p)
+            else:
+                _state.set_record(p, *rec)
 
 
 def _check_loss(loss) -> torch.Tensor:

@@ -90,15 +90,26 @@ class State:
             return changes
 
     def _release_leavers(self, now: set[int]) -> None:
+        leavers = {k: r for k, r in self.members.items() if k not in now}
+        if not leavers:
+            return
         held = {i for st in _state.live_states() if st is not self for i in st.members}
-        for key, ref in self.members.items():
-            p = ref()
-            if p is None or key in now or key in held:
-                continue
-            rec = _state.record(p)
-            if rec is not None and p.requires_grad is rec[1] and rec[0] is not rec[1]:
-                p.requires_grad_(rec[0])
-            _state.forget(p)
+        scoped = {  # an active block on a module that left keeps its parameters until it exits
+            id(p) for e in _state.entries if (s := e.scope()) is not None for p in s.parameters()
+        }
+        _release(leavers, held | scoped)
+
+    def release(self) -> None:
+        """The root is gone: its parameters that live on (a kept submodule) and its norm layers
+        become plain PyTorch again; other attached models holding some re-apply at their next
+        forward. Runs as a weakref callback: no lock taken, ``states`` not changed."""
+        others = [st for st in list(_state.states.values()) if st is not self and st.root()]
+        for st in others:
+            if not st.members.keys().isdisjoint(self.members):
+                st.dirty = True
+        _release(self.members, {i for st in others for i in st.members})
+        self.members = {}
+        self.uninstall()
 
     # -- hooks
     def install(self) -> None:
@@ -158,6 +169,28 @@ def _frozen_by_us(p) -> bool:
     """Whether torchstruct holds ``p`` frozen (its starting flag is on)."""
     rec = _state.record(p)
     return rec is not None and rec[0] and not rec[1] and not p.requires_grad
+
+
+def _release(members: dict, keep: set[int]) -> None:
+    """Give the parameters in ``members`` (id -> weakref), except ``keep``, their starting flag
+    back, unless someone else wrote their flag since; forget their records."""
+    for key, ref in list(members.items()):
+        p = ref()
+        if p is None or key in keep:
+            continue
+        rec = _state.record(p)
+        if rec is not None and p.requires_grad is rec[1] and rec[0] is not rec[1]:
+            p.requires_grad_(rec[0])
+        _state.forget(p)
+
+
+def _released_when_dead(state: weakref.ref):
+    def callback(_root: weakref.ref) -> None:
+        st = state()
+        if st is not None:
+            st.release()
+
+    return callback
 
 
 # ----------------------------------------------------------------------------- the hooks
@@ -226,7 +259,8 @@ def state_for(module: nn.Module) -> State:
     for other in _state.live_states():
         if _contains(other.root(), module):
             return other
-    st = State(weakref.ref(module))
+    st = State(None)
+    st.root = weakref.ref(module, _released_when_dead(weakref.ref(st)))
     for other in _state.live_states():
         if _contains(module, other.root()):
             other.uninstall()
@@ -239,6 +273,15 @@ def state_for(module: nn.Module) -> State:
         _state.states.pop(id(module), None)
         raise
     return st
+
+
+def apply_pending(module: nn.Module) -> None:
+    """Apply now what the hooks would apply at the next forward of the trees holding ``module``
+    (a registration since their last application)."""
+    with _state.LOCK:
+        for st in _state.live_states():
+            if st.dirty and id(module) in st.module_ids:
+                st.apply()
 
 
 def apply_containing(module: nn.Module, refuse: bool = True) -> None:
