@@ -1157,13 +1157,6 @@ def test_path_and_module_selectors_follow_parameters_replaced_by_load_state_dict
     assert all(flags(m)) and consistent(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ts.detach_hooks(child) removes the norm hooks a parent's state installed on the "
-    "child's BatchNorm, but the parent's state still lists them as installed: ts.attach(parent) "
-    "(documented to re-apply everything) does not put them back, so inside the running block "
-    "the frozen BatchNorm updates its statistics. Expected: attach(parent) re-installs them.",
-)
 def test_attach_after_detaching_a_child_puts_the_norm_hooks_back():
     parent = nn.Sequential(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)), nn.Linear(3, 1))
     with ts.freeze(parent, "0"):

@@ -60,10 +60,10 @@ class Entry:
                 flags[i] = True
 
 
-def _drop_dead(_ref=None, entries: list = _state.entries) -> None:
-    """Forget the contexts of models that no longer exist (also a weakref callback, which may
-    run at interpreter exit, hence the list bound as a default)."""
-    entries[:] = [e for e in entries if e.scope() is not None]
+def _drop_dead() -> None:
+    """Forget the contexts of models that no longer exist (under the lock, at every push and
+    pop; until then a dead scope's entry folds nothing)."""
+    _state.entries[:] = [e for e in _state.entries if e.scope() is not None]
 
 
 def _apply_around(entry: Entry, refuse: bool = True) -> list:
@@ -228,7 +228,7 @@ class _FlagContext(_Context):
             select(model, *selectors, strict=self._kwargs["strict"])  # raises before any change
         self._entry = Entry(
             self.kind,
-            weakref.ref(model, _drop_dead),  # a permanent context ends with its model
+            weakref.ref(model),  # a permanent context ends with its model
             tuple(selectors),
             self._kwargs["freeze_norm_stats"],
         )

@@ -150,7 +150,9 @@ class State:
             want = {id(m): m for m in modules if self._norm_stats_frozen(m)}
         for key in list(self.norm_hooks):
             ref, handles = self.norm_hooks[key]
-            if want.get(key) is not ref():
+            mod = ref()
+            gone = mod is None or handles[0].id not in mod._forward_pre_hooks  # detach_hooks
+            if gone or want.get(key) is not mod:
                 for h in handles:
                     h.remove()
                 del self.norm_hooks[key]
