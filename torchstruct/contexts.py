@@ -75,7 +75,7 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
     others = [s for s in _state.live_states() if s is not governing]
     if others:  # other attached models holding the scope's parameters: applied too
         ids = {id(p) for p in scope.parameters()}
-        others = [s for s in others if not ids.isdisjoint(s.members)]
+        others = [s for s in others if not ids.isdisjoint(s.live_members())]
     changes = []
     for st in [governing, *others]:
         changes += st.apply(refuse)

@@ -93,7 +93,7 @@ class State:
         leavers = {k: r for k, r in self.members.items() if k not in now}
         if not leavers:
             return
-        held = {i for st in _state.live_states() if st is not self for i in st.members}
+        held = {i for st in _state.live_states() if st is not self for i in st.live_members()}
         scoped = {  # an active block on a module that left keeps its parameters until it exits
             id(p) for e in _state.entries if (s := e.scope()) is not None for p in s.parameters()
         }
@@ -104,12 +104,18 @@ class State:
         become plain PyTorch again; other attached models holding some re-apply at their next
         forward. Runs as a weakref callback: no lock taken, ``states`` not changed."""
         others = [st for st in list(_state.states.values()) if st is not self and st.root()]
+        mine = self.live_members()
         for st in others:
-            if not st.members.keys().isdisjoint(self.members):
+            if not st.live_members().isdisjoint(mine):
                 st.dirty = True
-        _release(self.members, {i for st in others for i in st.members})
+        _release(self.members, {i for st in others for i in st.live_members()})
         self.members = {}
         self.uninstall()
+
+    def live_members(self) -> set[int]:
+        """Ids of the parameters of the last application that are still alive (an id of a dead
+        one may belong to another object by now)."""
+        return {i for i, ref in self.members.items() if ref() is not None}
 
     # -- hooks
     def install(self) -> None:
