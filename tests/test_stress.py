@@ -3,7 +3,6 @@ behind after many cycles, and every flag restored when a ``KeyboardInterrupt`` c
 import contextlib
 import gc
 import sys
-import time
 import tracemalloc
 import weakref
 
@@ -135,10 +134,8 @@ def test_context_cycles_leave_no_hooks_references_or_memory():
         _cycle(model, i)
     untraced = CYCLES - 1_000
     with _Leaks() as leaks:
-        start = time.perf_counter()
         for i in range(untraced):
             _cycle(model, i)
-        per_cycle = (time.perf_counter() - start) / untraced
         with leaks.traced():
             for i in range(untraced, CYCLES):
                 _cycle(model, i)
@@ -147,8 +144,6 @@ def test_context_cycles_leave_no_hooks_references_or_memory():
     assert _registry_sizes() == sizes
     assert _torch_function_modes() == modes
     leaks.check()
-    # 10,000 cycles must stay cheap (~0.4-1 ms per cycle measured on a busy 2-core machine).
-    assert per_cycle < 5e-3, f"{per_cycle * 1e6:.0f} us per context cycle"
     model(x)
     assert _hooks(model) == hooks
 
