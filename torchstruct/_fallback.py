@@ -73,13 +73,23 @@ def _entries_overlap(tensors: Sequence[torch.Tensor]) -> bool:
     """Whether the memory of two non-empty entries overlaps (the same tensor twice, or views)."""
     spans = []
     for t in tensors:
-        if t.numel() == 0:
+        n = t.numel()
+        if n == 0:
             continue
+        if t.is_contiguous():
+            extent = n
+        else:
+            extent = sum((k - 1) * s for k, s in zip(t.shape, t.stride())) + 1
         begin = t.data_ptr()
-        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        spans.append((begin, begin + (last + 1) * t.element_size()))
+        spans.append((begin, begin + extent * t.element_size()))
     spans.sort()
     return any(spans[i][0] < spans[i - 1][1] for i in range(1, len(spans)))
+
+
+def _in_list_order(device: torch.device) -> bool:
+    """Whether a foreach op on ``device`` runs tensor by tensor in list order (the CPU's
+    per-tensor loop), so entries that share memory are handled as a Python loop would."""
+    return device.type == "cpu"
 
 
 # --------------------------------------------------------------------------- norms
@@ -121,7 +131,9 @@ def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
     if scale.device != device:
         scale = scale.to(device, non_blocking=True)
     with torch.no_grad():
-        if _entries_overlap(tensors):  # list order: a duplicate is multiplied twice
+        if not _in_list_order(device) and _entries_overlap(tensors):
+            # entry by entry, in list order: a duplicate is multiplied twice, and no two
+            # blocks of one launch write the same element
             for t in tensors:
                 t.mul_(scale)
             return
