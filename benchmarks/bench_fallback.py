@@ -39,7 +39,8 @@ def _params(device, count, size, seed):
 
 
 def _backends(device):
-    kernels = _ops.compiled_available() and torch.device(device).type in _ops.compiled_device_types()
+    device_type = torch.device(device).type
+    kernels = _ops.compiled_available() and device_type in _ops.compiled_device_types()
     return (["compiled"] if kernels else []) + ["fallback"]
 
 

@@ -400,3 +400,70 @@ def test_fused_ops_used_on_cpu_compute_right(op, dtype):
                             [torch.tensor(1.0)], lr=0.1, beta1=0.9, beta2=0.99, weight_decay=0.0,
                             eps=1e-8, amsgrad=False, maximize=False)
     assert torch.allclose(p.double(), torch.full((n,), 0.9, dtype=torch.float64), atol=2e-3)
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["compiled", "fallback"])
+def test_cuda_fallback_equals_compiled_and_refusals(name):
+    if name == "compiled" and "cuda" not in _ops.compiled_device_types():
+        pytest.skip("CUDA kernels not built")
+    p, g, m, v, vmax, steps, masks = _step_inputs(torch.float32)
+    cuda = [[t.cuda() if t is not None else None for t in lst]
+            for lst in (p, g, m, v, vmax, steps, masks)]
+    with _ops.use_backend(name):
+        _ops.adamw_step_(*cuda[:6], cuda[6], lr=1e-2, beta1=0.9, beta2=0.999, weight_decay=0.1,
+                         eps=1e-8, amsgrad=True, clip_coef=torch.tensor(0.5, device="cuda"))
+        x = cuda[0][0]
+        with pytest.raises(RuntimeError, match="shares its memory"):
+            _ops.sgd_step_([x, x], [x.clone(), x.clone()], [], lr=0.1)
+        s = cuda[5][0]
+        with pytest.raises(RuntimeError, match="step 1 and step 0"):
+            _ops.adamw_step_([x, x.clone()], [x.clone(), x.clone()], [x.clone(), x.clone()],
+                             [x.clone(), x.clone()], [], [s, s], lr=1e-2, beta1=0.9,
+                             beta2=0.999, weight_decay=0.0, eps=1e-8)
+    _reference.adamw_step_(p, g, m, v, vmax, steps, masks, 1e-2, 0.9, 0.999, 0.1, 1e-8, True,
+                           False, clip_coef=torch.tensor(0.5))
+    for got, want in zip(cuda[:6], (p, g, m, v, vmax, steps)):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.cpu(), b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["compiled", "fallback"])
+def test_cuda_graph_capture_and_replay(name):
+    """The ops capture in a CUDA graph and replay on the captured tensors' new values."""
+    if name == "compiled" and "cuda" not in _ops.compiled_device_types():
+        pytest.skip("CUDA kernels not built")
+    grads = [torch.randn(n, device="cuda") for n in (3, 70_000, 200_000)]
+    params = [torch.zeros_like(t) for t in grads]
+    ms = [torch.zeros_like(t) for t in grads]
+    vs = [torch.zeros_like(t) for t in grads]
+    steps = [torch.zeros((), device="cuda") for _ in grads]
+    with _ops.use_backend(name):
+        def body():
+            _ops.clip_by_global_norm_(grads, 1.0, 2.0)
+            _ops.adamw_step_(params, grads, ms, vs, [], steps, lr=1e-2, beta1=0.9, beta2=0.999,
+                             weight_decay=0.0, eps=1e-8)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            body()  # warm-up outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        for _ in range(3):
+            fresh = [torch.randn_like(t) * 10 for t in grads]
+            for t, f in zip(grads, fresh):
+                t.copy_(f)
+            expected = [f.cpu() for f in fresh]
+            torch.nn.utils.clip_grad_norm_(expected, 1.0)
+            graph.replay()
+            torch.cuda.synchronize()
+            for t, e in zip(grads, expected):
+                torch.testing.assert_close(t.cpu(), e, rtol=1e-5, atol=1e-6)
+    assert all(float(s) == 4.0 for s in steps)  # warm-up and three replays (capture runs nothing)

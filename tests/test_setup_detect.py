@@ -10,7 +10,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _load_setup():
-    spec = importlib.util.spec_from_file_location("torchstruct_setup", os.path.join(REPO, "setup.py"))
+    path = os.path.join(REPO, "setup.py")
+    spec = importlib.util.spec_from_file_location("torchstruct_setup", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # not __main__: defines the functions, builds nothing
     return module
