@@ -138,14 +138,25 @@ __global__ void __launch_bounds__(kThreads)
     }
     tail = nvec * kVec;
   }
-  // the rest (all of it when unaligned): scalar loads, independent accumulators
-  for (int64_t i = tail + threadIdx.x; i < c.size; i += kThreads) {
-    acc[i % kVec] = accumulate<K>(acc[i % kVec], static_cast<acc_t>(x[i]), pp);
+  // the rest (all of it when unaligned): scalar loads, four in flight, into four
+  // more accumulators (named, so that they stay in registers)
+  acc_t r0 = acc_t(0), r1 = acc_t(0), r2 = acc_t(0), r3 = acc_t(0);
+  int64_t i = tail + threadIdx.x;
+  for (; i + 3 * kThreads < c.size; i += 4 * kThreads) {
+    const acc_t a0 = static_cast<acc_t>(x[i]);
+    const acc_t a1 = static_cast<acc_t>(x[i + kThreads]);
+    const acc_t a2 = static_cast<acc_t>(x[i + 2 * kThreads]);
+    const acc_t a3 = static_cast<acc_t>(x[i + 3 * kThreads]);
+    r0 = accumulate<K>(r0, a0, pp);
+    r1 = accumulate<K>(r1, a1, pp);
+    r2 = accumulate<K>(r2, a2, pp);
+    r3 = accumulate<K>(r3, a3, pp);
   }
+  for (; i < c.size; i += kThreads) r0 = accumulate<K>(r0, static_cast<acc_t>(x[i]), pp);
   constexpr int kind = static_cast<int>(K);
-  acc_t total = acc[0];
+  acc_t total = combine(combine(r0, r1, kind), combine(r2, r3, kind), kind);
 #pragma unroll
-  for (int j = 1; j < kVec; ++j) total = combine(total, acc[j], kind);
+  for (int j = 0; j < kVec; ++j) total = combine(total, acc[j], kind);
   total = block_reduce<acc_t>(total, kind);
   if (threadIdx.x == 0) partials[blockIdx.x] = static_cast<double>(total);
 }
