@@ -467,3 +467,25 @@ def test_cuda_graph_capture_and_replay(name):
             for t, e in zip(grads, expected):
                 torch.testing.assert_close(t.cpu(), e, rtol=1e-5, atol=1e-6)
     assert all(float(s) == 4.0 for s in steps)  # warm-up and three replays (capture runs nothing)
+
+
+@pytest.mark.parametrize("cls", [tso.AdamW, tso.SGD])
+def test_fallback_step_under_torch_compile(cls):
+    """The fallback's fused steps run eagerly inside torch.compile (state created in the traced
+    step cannot be mutated by the fused ops there) and give the eager result."""
+    kw = dict(lr=1e-2, max_grad_norm=0.5) | ({"momentum": 0.9} if cls is tso.SGD else {})
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 3), nn.Linear(4, 3)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [cls(m.parameters(), **kw) for m in models]
+    compiled_step = torch.compile(opts[0].step, backend="aot_eager")
+    x = torch.randn(5, 4)
+    with _ops.use_backend("fallback"):
+        for _ in range(2):
+            for m in models:
+                m.zero_grad()
+                m(x).pow(2).sum().backward()
+            compiled_step()
+            opts[1].step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

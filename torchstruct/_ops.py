@@ -225,7 +225,15 @@ def _impl(name: str, device: torch.device, tensors: Sequence[torch.Tensor]):
         return getattr(torch.ops.torchstruct, name)
     if _backend == "compiled":
         _warn_fallback(device)
+    if name in _EAGER_FALLBACK and _is_compiling():
+        return _EAGER_FALLBACK[name]
     return getattr(_fallback, name)
+
+
+# The fallback's optimizer steps run eagerly under torch.compile (a graph break): the fused
+# ops they call cannot mutate state that the traced step has just created.
+_EAGER_FALLBACK = {name: run_eagerly(getattr(_fallback, name))
+                   for name in ("sgd_step_", "adamw_step_")}
 
 
 def _warn_fallback(device: torch.device) -> None:
