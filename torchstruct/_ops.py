@@ -28,7 +28,7 @@ the reference implementation, which is differentiable; the others are not.
 
 Adding an op: a kernel in ``csrc/`` registered under the same name (it must
 check all its input before writing anything), a function of that name in
-``_reference.py``, its fake kernel below, its name in ``_OPS``, and a wrapper
+``_reference.py`` and one in ``_fallback.py``, its fake kernel below, its name in ``_OPS``, and a wrapper
 here that tries ``_try_compiled(name, tensors, args)`` (the eager fast path) and,
 when that refuses, hands DTensors to ``_dtensor`` and the rest to
 ``_per_device(name, tensors, args, validate)``.

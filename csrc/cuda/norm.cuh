@@ -103,9 +103,15 @@ struct alignas(16) Vec {
 // independent accumulators, two loads in flight per thread; scalar loads with
 // four accumulators when the tensor is not 16-byte aligned.
 // At least 3 blocks per SM: a whole launch (up to 320 blocks) is resident at once on
-// a large GPU (132 SMs on an H100), instead of a second, mostly empty wave.
+// a large GPU (132 SMs on an H100), instead of a second, mostly empty wave. (sm_75
+// holds 1024 threads per SM: 2 blocks there.)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 750
+#define TORCHSTRUCT_NORM_MIN_BLOCKS 2
+#else
+#define TORCHSTRUCT_NORM_MIN_BLOCKS 3
+#endif
 template <NormKind K, typename scalar_t, typename acc_t>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads, TORCHSTRUCT_NORM_MIN_BLOCKS)
     partial_kernel(NormArgs args, double p, double* __restrict__ partials) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   constexpr int kUnroll = sizeof(scalar_t) >= 4 ? 2 : 1;  // 2-byte types: 8 accumulators already
