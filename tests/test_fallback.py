@@ -406,11 +406,31 @@ def test_fused_ops_used_on_cpu_compute_right(op, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["compiled", "fallback"])
-def test_cuda_fallback_equals_compiled_and_refusals(name):
+def test_cuda_sgd_equals_reference(name, dtype):
     if name == "compiled" and "cuda" not in _ops.compiled_device_types():
         pytest.skip("CUDA kernels not built")
-    p, g, m, v, vmax, steps, masks = _step_inputs(torch.float32)
+    params, grads, bufs, _, _, _, masks = _step_inputs(dtype, seed=7, n=(6, 70_000, 1, 0))
+    cuda = [[t.cuda() if t is not None else None for t in lst]
+            for lst in (params, grads, bufs, masks)]
+    with _ops.use_backend(name):
+        _ops.sgd_step_(*cuda[:3], cuda[3], lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01,
+                       grad_scale=torch.tensor(4.0, device="cuda"))
+    _reference.sgd_step_(params, grads, bufs, masks, 0.1, 0.9, 0.1, 0.01, False, False, False,
+                         grad_scale=torch.tensor(4.0))
+    for got, want in zip(cuda[:3], (params, grads, bufs)):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.cpu(), b, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["compiled", "fallback"])
+def test_cuda_fallback_equals_compiled_and_refusals(name, dtype):
+    if name == "compiled" and "cuda" not in _ops.compiled_device_types():
+        pytest.skip("CUDA kernels not built")
+    p, g, m, v, vmax, steps, masks = _step_inputs(dtype)
     cuda = [[t.cuda() if t is not None else None for t in lst]
             for lst in (p, g, m, v, vmax, steps, masks)]
     with _ops.use_backend(name):
@@ -428,7 +448,7 @@ def test_cuda_fallback_equals_compiled_and_refusals(name):
                            False, clip_coef=torch.tensor(0.5))
     for got, want in zip(cuda[:6], (p, g, m, v, vmax, steps)):
         for a, b in zip(got, want):
-            torch.testing.assert_close(a.cpu(), b, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(a.cpu(), b, rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.cuda
