@@ -5,19 +5,36 @@ Install against the torch that is already installed:
     pip install --no-build-isolation -e .
 
 The compiled extension ``torchstruct._C`` holds the op registrations
-(``csrc/ops.cpp``), the CPU kernels (``csrc/cpu``) and, when torch was built
-with CUDA and a CUDA toolkit is found, the CUDA kernels (``csrc/cuda``).
+(``csrc/ops.cpp``), the CPU kernels (``csrc/cpu``) and, when they can be built,
+the CUDA kernels (``csrc/cuda``). The CUDA kernels are built when all of these
+hold (``_cuda_decision``):
+
+* torch is a CUDA build (``torch.version.cuda`` is set);
+* a CUDA toolkit is found (``CUDA_HOME`` / ``CUDA_PATH``, ``nvcc`` on ``PATH``
+  or ``/usr/local/cuda``) and has ``bin/nvcc`` (a runtime-only CUDA install has
+  none);
+* that nvcc's major version equals the major version of ``torch.version.cuda``;
+* the GPU architectures are known: ``TORCH_CUDA_ARCH_LIST`` is set, or a GPU is
+  visible to detect them from.
+
+Otherwise the CPU kernels are built and one line says why the CUDA kernels were
+skipped and how to get them; on a GPU the ops then run on PyTorch's own
+multi-tensor ops (with a warning), see ``docs/performance.md``.
 
 Environment variables:
 
 * ``TORCHSTRUCT_NO_EXTENSION=1``: build no extension; the package runs on the
   pure-PyTorch implementation in ``torchstruct/_reference.py``.
 * ``TORCHSTRUCT_NO_CUDA=1``: build the CPU kernels only, even with CUDA.
+* ``TORCH_CUDA_ARCH_LIST``: the GPU architectures to build for (e.g.
+  ``"8.0;9.0"``); needed when no GPU is visible at build time.
 * ``MAX_JOBS``: parallel compile jobs (read by torch's ninja build).
 """
 
 import glob
 import os
+import re
+import subprocess
 import sys
 
 from setuptools import setup
@@ -44,6 +61,83 @@ def _uses_openmp(torch):
     return "parallel backend: OpenMP" in info and sys.platform.startswith("linux")
 
 
+def _major(version):
+    """The major version of a ``"12.4"``-style string, or None."""
+    match = re.match(r"\s*(\d+)", version or "")
+    return int(match.group(1)) if match else None
+
+
+def _cuda_decision(torch_cuda, cuda_home, nvcc_found, nvcc_version, arch_list, gpu_visible,
+                   no_cuda=False):
+    """Whether to build the CUDA kernels, from the facts of this machine.
+
+    Arguments:
+        torch_cuda: ``torch.version.cuda`` (None for a CPU build of torch).
+        cuda_home: the CUDA toolkit directory torch found, or None.
+        nvcc_found: whether ``<cuda_home>/bin/nvcc`` exists.
+        nvcc_version: that nvcc's release (``"12.4"``), or None when unknown.
+        arch_list: the value of ``TORCH_CUDA_ARCH_LIST`` (None or empty: unset).
+        gpu_visible: whether a CUDA device is visible (torch detects the arch from it).
+        no_cuda: ``TORCHSTRUCT_NO_CUDA`` is set.
+
+    Returns:
+        ``(True, None)`` to build them, else ``(False, reason)``: one line saying
+        why they are skipped and how to get them.
+    """
+    if no_cuda:
+        return False, ("TORCHSTRUCT_NO_CUDA is set; unset it to build the CUDA kernels")
+    if not torch_cuda:
+        return False, ("this torch is a CPU build; install a CUDA build of torch and a "
+                       "matching CUDA toolkit to build the CUDA kernels")
+    if not cuda_home:
+        return False, (f"no CUDA toolkit found; install CUDA {torch_cuda} (with nvcc) and set "
+                       f"CUDA_HOME, then reinstall")
+    if not nvcc_found:
+        return False, (f"CUDA_HOME={cuda_home} has no bin/nvcc (a runtime-only CUDA); install "
+                       f"the CUDA {torch_cuda} toolkit and point CUDA_HOME at it, then reinstall")
+    if _major(nvcc_version) is None:
+        return False, (f"could not read the version of {os.path.join(cuda_home, 'bin', 'nvcc')}; "
+                       f"point CUDA_HOME at a working CUDA {torch_cuda} toolkit, then reinstall")
+    if _major(nvcc_version) != _major(torch_cuda):
+        return False, (f"nvcc {nvcc_version} in {cuda_home} does not match torch's CUDA "
+                       f"{torch_cuda}; point CUDA_HOME at a CUDA {_major(torch_cuda)}.x toolkit, "
+                       f"then reinstall")
+    if not (arch_list or "").strip() and not gpu_visible:
+        return False, ("no GPU is visible to detect the architectures from; set "
+                       "TORCH_CUDA_ARCH_LIST (e.g. '8.0;9.0'), then reinstall")
+    return True, None
+
+
+def _nvcc_version(nvcc):
+    """The release of ``nvcc`` (``"12.4"``), or None."""
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"release (\d+\.\d+)", out.stdout)
+    return match.group(1) if match else None
+
+
+def _cuda_facts(torch, cpp_extension):
+    """The arguments of ``_cuda_decision`` for this machine."""
+    cuda_home = cpp_extension.CUDA_HOME
+    nvcc = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
+    nvcc_found = bool(nvcc) and os.path.isfile(nvcc)
+    try:
+        gpu_visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:
+        gpu_visible = False
+    return dict(
+        torch_cuda=torch.version.cuda,
+        cuda_home=cuda_home,
+        nvcc_found=nvcc_found,
+        nvcc_version=_nvcc_version(nvcc) if nvcc_found else None,
+        arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST"),
+        gpu_visible=gpu_visible,
+        no_cuda=_flag("TORCHSTRUCT_NO_CUDA"),
+    )
+
+
 def extensions():
     if _flag("TORCHSTRUCT_NO_EXTENSION"):
         return [], {}
@@ -51,11 +145,10 @@ def extensions():
     import torch
     from torch.utils import cpp_extension
 
-    with_cuda = (
-        torch.version.cuda is not None
-        and cpp_extension.CUDA_HOME is not None
-        and not _flag("TORCHSTRUCT_NO_CUDA")
-    )
+    with_cuda, reason = _cuda_decision(**_cuda_facts(torch, cpp_extension))
+    if reason is not None:
+        print(f"torchstruct: building the CPU kernels only, CUDA kernels skipped: {reason}",
+              file=sys.stderr)
 
     sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
     # No -std flag: BuildExtension adds the standard this torch was built with.
@@ -87,6 +180,7 @@ def extensions():
     return [ext], {"build_ext": build_ext}
 
 
-ext_modules, cmdclass = extensions()
-
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+# setuptools runs this file as __main__; tests import it (by path) for _cuda_decision.
+if __name__ == "__main__":
+    ext_modules, cmdclass = extensions()
+    setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -8,13 +8,16 @@
 // for anything else (an element that is not a tensor, no gradient at all, input the kernel
 // refuses, a device other than CPU and CUDA, a tensor subclass such as DTensor): the caller then
 // takes the checked Python path, which explains the problem. The kernels check every input
-// before writing, so a refused call has written nothing.
+// before writing, so a refused call has written nothing. Running out of memory (or a device
+// error) is not a refusal and may come after a write: it is raised, never retried.
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <exception>
+#include <utility>
 #include <vector>
 
 namespace torchstruct {
@@ -43,6 +46,7 @@ PyObject* clip_grads(PyObject* /*self*/, PyObject* args) {
   if (grads.empty()) Py_RETURN_NONE;
 
   at::Tensor norm;
+  std::exception_ptr failure;  // not a refusal: raised below
   PyThreadState* thread = PyEval_SaveThread();
   try {
     static const auto op = c10::Dispatcher::singleton()
@@ -52,11 +56,20 @@ PyObject* clip_grads(PyObject* /*self*/, PyObject* args) {
     // autograd handling (the kernels bump the version counters themselves).
     c10::impl::ExcludeDispatchKeyGuard no_autograd(c10::autograd_dispatch_keyset_with_ADInplaceOrView);
     norm = op.call(grads, max_norm, norm_type);
+  } catch (const c10::OutOfMemoryError&) {
+    failure = std::current_exception();
+  } catch (const c10::AcceleratorError&) {
+    failure = std::current_exception();
   } catch (const std::exception&) {
     PyEval_RestoreThread(thread);
     Py_RETURN_NONE;  // refused: the checked path explains
   }
   PyEval_RestoreThread(thread);
+  if (failure) {
+    HANDLE_TH_ERRORS
+    std::rethrow_exception(failure);
+    END_HANDLE_TH_ERRORS
+  }
   return THPVariable_Wrap(std::move(norm));
 }
 

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace torchstruct {
@@ -141,6 +142,27 @@ inline void check_steps(const char* op, at::TensorList params, at::TensorList st
     TORCH_CHECK(s.device() == params[i].device(), "torchstruct::", op, ": step ", i,
                 " is on ", s.device(), " but parameter ", i, " is on ", params[i].device());
   }
+  // One count per parameter: a shared one would advance several times in one call (and on
+  // CUDA, several blocks would race on it).
+  std::unordered_map<const void*, size_t> first;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto found = first.emplace(steps[i].const_data_ptr(), i);
+    TORCH_CHECK(found.second, "torchstruct::", op, ": step ", i, " and step ",
+                found.first->second, " are the same tensor; each parameter needs its own "
+                "step count");
+  }
+}
+
+// Each parameter once per call: two entries with the same memory would be updated twice
+// (and on CUDA, two blocks would race on the same elements).
+inline void check_distinct(const char* op, at::TensorList params) {
+  std::unordered_map<const void*, size_t> first;
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].numel() == 0) continue;
+    TORCH_CHECK(first.emplace(params[i].const_data_ptr(), i).second, "torchstruct::", op,
+                ": parameter ", i, " shares its memory with an earlier parameter; "
+                "each tensor may be stepped once per call");
+  }
 }
 
 inline bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -173,6 +195,7 @@ inline void check_sgd_inputs(at::TensorList params, at::TensorList grads,
   check_hyper(op, "dampening", dampening, true);
   check_hyper(op, "weight_decay", weight_decay);
   check_params(op, params);
+  check_distinct(op, params);
   check_like_params(op, "gradients", params, grads);
   if (momentum != 0.0) {
     check_like_params(op, "momentum buffers", params, momentum_buffers);
@@ -203,6 +226,7 @@ inline void check_adamw_inputs(at::TensorList params, at::TensorList grads,
   check_hyper(op, "weight_decay", weight_decay);
   check_hyper(op, "eps", eps);
   check_params(op, params);
+  check_distinct(op, params);
   check_like_params(op, "gradients", params, grads);
   check_like_params(op, "exp_avgs", params, exp_avgs);
   check_like_params(op, "exp_avg_sqs", params, exp_avg_sqs);

@@ -31,9 +31,11 @@ def _require_compiled() -> bool:
     return os.environ.get("TORCHSTRUCT_REQUIRE_COMPILED", "0") == "1"
 
 
-@pytest.fixture(params=["compiled", "reference"])
+@pytest.fixture(params=["compiled", "fallback", "reference"])
 def backend(request):
-    """Run the test once per backend, with ``_ops.use_backend`` switched.
+    """Run the test once per backend, with ``_ops.use_backend`` switched: the compiled
+    kernels, PyTorch's multi-tensor ops (what a device without compiled kernels runs)
+    and the pure-PyTorch reference.
 
     ``compiled`` is skipped when the extension is not built, unless
     ``TORCHSTRUCT_REQUIRE_COMPILED=1`` (then a missing extension fails the test).

@@ -23,8 +23,8 @@ def _run(code, **env):
 
 
 def test_backend_value():
-    assert _ops.backend() in ("compiled", "reference")
-    if os.environ.get("TORCHSTRUCT_BACKEND", "") != "reference":
+    assert _ops.backend() in ("compiled", "fallback", "reference")
+    if os.environ.get("TORCHSTRUCT_BACKEND", "") not in ("reference", "fallback"):
         assert _ops.backend() == ("compiled" if _ops.compiled_available() else "reference")
 
 
@@ -65,6 +65,26 @@ def test_use_backend_nests():
                 assert _ops.backend() == "compiled"
         assert _ops.backend() == "reference"
     assert _ops.backend() == before
+
+
+def test_use_backend_fallback_without_the_extension_too():
+    before = _ops.backend()
+    with _ops.use_backend("fallback"):
+        assert _ops.backend() == "fallback"
+        assert _ops.global_norm([torch.tensor([3.0, 4.0])]).item() == 5.0
+    assert _ops.backend() == before
+
+
+def test_backend_of_a_device():
+    with _ops.use_backend("reference"):
+        assert _ops.backend("cpu") == "reference"
+    with _ops.use_backend("fallback"):
+        assert _ops.backend("cpu") == "fallback"
+    if _ops.compiled_available():
+        with _ops.use_backend("compiled"):
+            assert _ops.backend("cpu") == "compiled"
+            assert _ops.backend("cuda") == (
+                "compiled" if "cuda" in _ops.compiled_device_types() else "fallback")
 
 
 def test_use_backend_rejects_unknown_name():

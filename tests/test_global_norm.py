@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchstruct import _ops, _reference
+from torchstruct import _fallback, _ops, _reference
 
 INF = float("inf")
 NORM_TYPES = [0.5, 1.0, 2.0, 3.0, INF]
@@ -250,17 +250,18 @@ def test_compiled_op_matches_reference():
 
 
 def test_backend_is_used(backend, monkeypatch):
-    """The compiled backend calls the op; the reference backend never does."""
+    """Each backend runs its own implementation and no other."""
     calls = []
-    real = _reference.global_norm
+    for module in (_reference, _fallback):
+        real = module.global_norm
 
-    def spy(tensors, p):
-        calls.append(len(tensors))
-        return real(tensors, p)
+        def spy(tensors, p, real=real, name=module.__name__.rsplit(".", 1)[-1]):
+            calls.append(name)
+            return real(tensors, p)
 
-    monkeypatch.setattr(_reference, "global_norm", spy)
+        monkeypatch.setattr(module, "global_norm", spy)
     _ops.global_norm([torch.ones(4)], 2.0)
-    assert calls == ([] if backend == "compiled" else [1])
+    assert calls == {"compiled": [], "fallback": ["_fallback"], "reference": ["_reference"]}[backend]
 
 
 def test_requires_grad_is_differentiable(backend):

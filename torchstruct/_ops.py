@@ -1,35 +1,34 @@
 """The one seam between torchstruct and its kernels.
 
-Every op exists twice: compiled (``torch.ops.torchstruct.<name>``, registered by
-the ``torchstruct._C`` extension built from ``csrc/``) and pure PyTorch
-(``torchstruct._reference.<name>``, same signature and semantics). The
-functions here validate input, split it by device, and send each part to the
-compiled kernel when the compiled backend is active and has a kernel for that
-device type, else to the reference implementation.
+Every op exists three times, with one signature and one semantics: compiled
+(``torch.ops.torchstruct.<name>``, registered by the ``torchstruct._C``
+extension built from ``csrc/``), on PyTorch's own multi-tensor and fused ops
+(``torchstruct._fallback.<name>``), and pure PyTorch, one tensor at a time
+(``torchstruct._reference.<name>``, the test oracle). The functions here
+validate input, split it by device, and send each part to one of them.
 
-Backend selection:
+Backend selection (``backend()`` names the active one):
 
-* ``backend()`` is ``"compiled"`` when the extension is loaded and not
-  overridden, else ``"reference"``. Which device types have compiled kernels is
-  told by ``compiled_device_types()`` (``("cpu",)`` or ``("cpu", "cuda")``).
-* ``TORCHSTRUCT_BACKEND=reference`` (read at import) forces the reference even
-  when the extension is built.
-* ``use_backend(name)`` switches temporarily (tests, debugging).
+* ``"compiled"`` (the default when the extension is loaded): each device type
+  with compiled kernels runs them (``compiled_device_types()``: ``("cpu",)`` or
+  ``("cpu", "cuda")``); any other device (CUDA tensors with a CPU-only build)
+  runs the fallback, with one ``RuntimeWarning`` per process and device that
+  says how to build its kernels. ``backend(device)`` says what runs for one
+  device: ``"compiled"``, ``"fallback"`` or ``"reference"``.
+* ``"fallback"``: every device on PyTorch's multi-tensor ops.
+* ``"reference"`` (the default without the extension): the pure-PyTorch ops.
+* ``TORCHSTRUCT_BACKEND=compiled|fallback|reference`` (read at import) picks one;
+  ``TORCHSTRUCT_NO_KERNELS=cpu`` (comma-separated device types, read at import)
+  treats those device types as having no compiled kernels (CI runs the CPU
+  through the fallback this way); ``use_backend(name)`` switches temporarily.
 
 Inputs that need autograd (grad mode on and a tensor that requires grad) go to
-the reference implementation, which is differentiable; the compiled kernels are
-not.
-
-A tensor on a device type the compiled op has no kernel for (e.g. CUDA tensors
-with a CPU-only build) raises ``RuntimeError`` while the compiled backend is
-active, naming the device and the ways out (rebuild the extension with CUDA, or
-``TORCHSTRUCT_BACKEND=reference``); nothing silently runs on the slow path.
-Exempt: ``meta`` tensors (shapes only, no kernel needed) and inputs that need
-autograd (reference, as above).
+the reference implementation, which is differentiable; the others are not.
+``meta`` tensors (shapes only) go to the reference too.
 
 Adding an op: a kernel in ``csrc/`` registered under the same name (it must
 check all its input before writing anything), a function of that name in
-``_reference.py``, its fake kernel below, its name in ``_OPS``, and a wrapper
+``_reference.py`` and one in ``_fallback.py``, its fake kernel below, its name in ``_OPS``, and a wrapper
 here that tries ``_try_compiled(name, tensors, args)`` (the eager fast path) and,
 when that refuses, hands DTensors to ``_dtensor`` and the rest to
 ``_per_device(name, tensors, args, validate)``.
@@ -43,7 +42,7 @@ from typing import Callable, Dict, Iterator, List, Sequence, Tuple
 
 import torch
 
-from . import _dtensor, _reference
+from . import _dtensor, _fallback, _reference
 
 try:
     from . import _C  # noqa: F401  (importing registers torch.ops.torchstruct.*)
@@ -63,7 +62,7 @@ __all__ = [
     "use_backend",
 ]
 
-BACKENDS = ("compiled", "reference")
+BACKENDS = ("compiled", "fallback", "reference")
 
 #: names of the ops registered as torch.ops.torchstruct.<name>
 _OPS = ("global_norm", "scale_", "clip_by_global_norm_", "sgd_step_", "adamw_step_")
@@ -92,11 +91,12 @@ _KERNELS: Dict[str, frozenset] = {name: _kernel_devices(name) for name in _OPS}
 
 def _initial_backend() -> str:
     forced = os.environ.get("TORCHSTRUCT_BACKEND", "").strip().lower()
-    if forced == "reference":
-        return "reference"
+    if forced in ("reference", "fallback"):
+        return forced
     if forced not in ("", "auto", "compiled"):
         warnings.warn(
-            f"TORCHSTRUCT_BACKEND={forced!r} is not one of 'compiled', 'reference'; ignored",
+            f"TORCHSTRUCT_BACKEND={forced!r} is not one of 'compiled', 'fallback', "
+            f"'reference'; ignored",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -115,6 +115,17 @@ def _initial_backend() -> str:
 _backend = _initial_backend()
 
 
+def _initial_no_kernels() -> frozenset:
+    value = os.environ.get("TORCHSTRUCT_NO_KERNELS", "")
+    return frozenset(part.strip().lower() for part in value.split(",") if part.strip())
+
+
+#: device types treated as having no compiled kernels (TORCHSTRUCT_NO_KERNELS)
+_no_kernels: frozenset = _initial_no_kernels()
+#: devices already warned about running on the fallback
+_warned: set = set()
+
+
 def compiled_available() -> bool:
     """True when the compiled extension ``torchstruct._C`` is loaded."""
     return _C is not None
@@ -127,17 +138,40 @@ def compiled_device_types() -> Tuple[str, ...]:
     return ("cpu", "cuda") if getattr(_C, "WITH_CUDA", 0) else ("cpu",)
 
 
-def backend() -> str:
-    """The active backend: ``"compiled"`` (the ``torchstruct._C`` kernels, used
-    for every device type they were built for; see ``compiled_device_types()``)
-    or ``"reference"`` (pure PyTorch)."""
-    return _backend
+def backend(device=None) -> str:
+    """What runs the ops.
+
+    Arguments:
+        device: None, or a device (``torch.device``, a string such as ``"cuda:0"``,
+            or a tensor, for its device).
+
+    Returns:
+        Without a device, the active backend: ``"compiled"`` (the ``torchstruct._C``
+        kernels on every device type they were built for, the fallback elsewhere),
+        ``"fallback"`` (PyTorch's multi-tensor ops everywhere) or ``"reference"``
+        (pure PyTorch). With a device, what runs for its tensors: ``"compiled"``,
+        ``"fallback"`` or ``"reference"`` (``meta`` tensors: ``"reference"``).
+    """
+    if device is None:
+        return _backend
+    device_type = (device.device if isinstance(device, torch.Tensor) else torch.device(device)).type
+    if _backend == "reference" or device_type == "meta":
+        return "reference"
+    if _backend == "compiled" and all(_has_kernel(name, device_type) for name in _OPS):
+        return "compiled"
+    return "fallback"
+
+
+def _has_kernel(name: str, device_type: str) -> bool:
+    """Whether op ``name`` runs its compiled kernel for ``device_type`` now."""
+    return (_backend == "compiled" and device_type in _KERNELS[name]
+            and device_type not in _no_kernels)
 
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Make ``name`` (``"compiled"`` or ``"reference"``) the active backend inside
-    the block; the previous one is restored on exit, also on error."""
+    """Make ``name`` (``"compiled"``, ``"fallback"`` or ``"reference"``) the active
+    backend inside the block; the previous one is restored on exit, also on error."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
@@ -181,25 +215,48 @@ def run_eagerly(fn):
 
 
 def _impl(name: str, device: torch.device, tensors: Sequence[torch.Tensor]):
-    """The implementation of op ``name`` for ``tensors`` (all on ``device``):
-    the compiled op when it is active, has a kernel for the device type and no
-    autograd graph is needed, else the reference function."""
-    if _backend == "compiled" and not _needs_autograd(tensors):
-        if device.type in _KERNELS[name]:
-            return getattr(torch.ops.torchstruct, name)
-        if device.type != "meta":
-            raise RuntimeError(_no_kernel_message(name, device))
-    return getattr(_reference, name)
+    """The implementation of op ``name`` for ``tensors`` (all on ``device``): the
+    reference when it is active, an autograd graph is needed or the tensors are
+    ``meta``; else the compiled op when the device type has its kernel; else the
+    fallback (warning once per device when the compiled backend is active)."""
+    if _backend == "reference" or device.type == "meta" or _needs_autograd(tensors):
+        return getattr(_reference, name)
+    if _has_kernel(name, device.type):
+        return getattr(torch.ops.torchstruct, name)
+    if _backend == "compiled":
+        _warn_fallback(device)
+    if name in _EAGER_FALLBACK and _is_compiling():
+        return _EAGER_FALLBACK[name]
+    return getattr(_fallback, name)
 
 
-def _no_kernel_message(name: str, device: torch.device) -> str:
-    built = ", ".join(compiled_device_types()) or "none"
+# The fallback's optimizer steps run eagerly under torch.compile (a graph break): the fused
+# ops they call cannot mutate state that the traced step has just created.
+_EAGER_FALLBACK = {name: run_eagerly(getattr(_fallback, name))
+                   for name in ("sgd_step_", "adamw_step_")}
+
+
+def _warn_fallback(device: torch.device) -> None:
+    if device in _warned:
+        return
+    _warned.add(device)
+    warnings.warn(_no_kernel_message(device), RuntimeWarning, stacklevel=4)
+
+
+def _no_kernel_message(device: torch.device) -> str:
+    if device.type in _no_kernels:
+        why = f"TORCHSTRUCT_NO_KERNELS names {device.type}"
+    elif _C is None:
+        why = "the extension is not built"
+    else:
+        why = f"the extension was built without {device.type} kernels"
+    how = ("a CUDA build of torch, the CUDA toolkit whose major version matches "
+           "torch.version.cuda (CUDA_HOME with bin/nvcc) and TORCH_CUDA_ARCH_LIST when no GPU "
+           "is visible" if device.type == "cuda" else f"that device's toolkit")
     return (
-        f"torchstruct::{name}: the compiled extension has no kernel for {device.type} tensors "
-        f"(got a tensor on {device}; kernels built for: {built}). Rebuild the extension where "
-        f"that device's toolkit is installed (for CUDA: a CUDA build of torch and nvcc, then "
-        f"`pip install --no-build-isolation -e .`), or run on the pure-PyTorch implementation "
-        f"with TORCHSTRUCT_BACKEND=reference (or torchstruct._ops.use_backend('reference'))."
+        f"torchstruct: no compiled kernels for {device} ({why}); its tensors run on PyTorch's "
+        f"multi-tensor and fused ops (correct, slower). To build the kernels, reinstall with "
+        f"{how}: `pip install --no-build-isolation -e .` (setup.py prints why it skipped them)."
     )
 
 
@@ -319,16 +376,25 @@ def _try_compiled(name: str, tensors: List[torch.Tensor], args: tuple):
     if (
         _backend == "compiled"
         and isinstance(first, torch.Tensor)
-        and first.device.type in _KERNELS[name]
+        and _has_kernel(name, first.device.type)
         and not _is_compiling()
     ):
         try:
             if not _needs_autograd(tensors):
                 # the OpOverload itself: no overload resolution per call
                 return getattr(torch.ops.torchstruct, name).default(tensors, *args)
+        except _NOT_REFUSALS:
+            raise  # out of memory (or a device error) may come after some writes: no retry
         except (AttributeError, RuntimeError, TypeError, ValueError, NotImplementedError):
             pass  # explained or handled by the checked path; kernels write nothing when refusing
     return _REFUSED
+
+
+#: errors that are not a kernel refusing its input (those check everything before any write)
+_NOT_REFUSALS = tuple(
+    e for e in (getattr(torch, "OutOfMemoryError", None), getattr(torch, "AcceleratorError", None))
+    if e is not None
+)
 
 
 _REFUSED = object()
@@ -425,7 +491,7 @@ def clip_grads_of(params, max_norm, norm_type):
     returns the norm, or None when it does not apply or the input needs the checked path
     (nothing has been written then). Call it under ``torch.no_grad()``."""
     if (_backend != "compiled" or _is_compiling() or not isinstance(params, (list, tuple))
-            or not _KERNELS["clip_by_global_norm_"]):
+            or not _KERNELS["clip_by_global_norm_"] or _no_kernels):
         return None
     try:  # a device without a kernel is refused there, and explained by the checked path
         return _C.clip_grads_(params, float(max_norm), float(norm_type))
@@ -468,8 +534,7 @@ def _step_per_device(name: str, params: List[torch.Tensor], lists: List[list], m
                      scalars: tuple, extra: dict) -> None:
     """Run the in-place step op ``name`` once per device of ``params``: ``lists`` are
     parallel to ``params`` (an empty list stays empty), ``masks`` too (or empty).
-    Every device's implementation is resolved before any call, so a device without a
-    kernel raises before anything is written."""
+    Every device's implementation is resolved before any call."""
     groups: Dict[torch.device, List[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault(p.device, []).append(i)

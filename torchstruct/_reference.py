@@ -318,6 +318,12 @@ def validate_step_inputs(op, params, grads, states, masks, steps=None):
                 raise TypeError(f"{op}: step {i} must be float32, got {s.dtype}")
             if s.device != p.device:
                 raise RuntimeError(f"{op}: step {i} is on {s.device} but parameter {i} is on {p.device}")
+        first = {}
+        for i, s in enumerate(steps):
+            j = first.setdefault(s.data_ptr(), i)
+            if j != i:
+                raise RuntimeError(f"{op}: step {i} and step {j} are the same tensor; each "
+                                   f"parameter needs its own step count")
     if len({p.data_ptr() for p in params if p.numel() > 0}) != sum(1 for p in params if p.numel() > 0):
         raise RuntimeError(f"{op}: a parameter shares its memory with another; each tensor may be "
                            f"stepped once per call")
@@ -369,11 +375,10 @@ def _keep_mask(mask, found_inf):
     return keep
 
 
-def sgd_step_(params, grads, momentum_buffers, masks, lr, momentum, dampening, weight_decay,
-              nesterov, maximize, first_step, clip_coef=None, grad_scale=None, found_inf=None):
-    """torch.optim.SGD's single-tensor step (foreach=False), in place, with masks, a
-    clip coefficient and grad_scale/found_inf (see ``csrc/ops.cpp``). float16/bfloat16
-    compute in float32."""
+def check_sgd_inputs(params, grads, momentum_buffers, masks, lr, momentum, dampening,
+                     weight_decay, clip_coef, grad_scale, found_inf):
+    """Every check of ``sgd_step_`` (the compiled kernels make the same ones); returns
+    ``(params, momentum_buffers)`` as lists."""
     op = "sgd_step_"
     _check_hyper(op, "lr", lr)
     _check_hyper(op, "momentum", momentum)
@@ -386,6 +391,42 @@ def sgd_step_(params, grads, momentum_buffers, masks, lr, momentum, dampening, w
     states = [("momentum buffers", momentum_buffers)] if momentum != 0 else []
     validate_step_inputs(op, params, grads, states, masks)
     _check_step_scalars(op, params, clip_coef, grad_scale, found_inf)
+    return params, momentum_buffers
+
+
+def check_adamw_inputs(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks, lr,
+                       beta1, beta2, weight_decay, eps, amsgrad, clip_coef, grad_scale,
+                       found_inf):
+    """Every check of ``adamw_step_`` (the compiled kernels make the same ones); returns
+    ``(params, max_exp_avg_sqs)`` as lists."""
+    op = "adamw_step_"
+    _check_hyper(op, "lr", lr)
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"{op}: beta1 must be in [0, 1), got {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"{op}: beta2 must be in [0, 1), got {beta2}")
+    _check_hyper(op, "weight_decay", weight_decay)
+    _check_hyper(op, "eps", eps)
+    params = list(params)
+    max_exp_avg_sqs = list(max_exp_avg_sqs)
+    if not amsgrad and max_exp_avg_sqs:
+        raise ValueError(f"{op}: amsgrad is off, so no max_exp_avg_sqs are expected")
+    states = [("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)]
+    if amsgrad:
+        states.append(("max_exp_avg_sqs", max_exp_avg_sqs))
+    validate_step_inputs(op, params, grads, states, masks, steps)
+    _check_step_scalars(op, params, clip_coef, grad_scale, found_inf)
+    return params, max_exp_avg_sqs
+
+
+def sgd_step_(params, grads, momentum_buffers, masks, lr, momentum, dampening, weight_decay,
+              nesterov, maximize, first_step, clip_coef=None, grad_scale=None, found_inf=None):
+    """torch.optim.SGD's single-tensor step (foreach=False), in place, with masks, a
+    clip coefficient and grad_scale/found_inf (see ``csrc/ops.cpp``). float16/bfloat16
+    compute in float32."""
+    params, momentum_buffers = check_sgd_inputs(params, grads, momentum_buffers, masks, lr,
+                                                momentum, dampening, weight_decay, clip_coef,
+                                                grad_scale, found_inf)
     with torch.no_grad():
         for i, p in enumerate(params):
             mask = masks[i] if masks else None
@@ -418,23 +459,9 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
     corrections are computed from the advanced count in float64, as torch does with
     ``step.item()``, but without reading it on the host. float16/bfloat16 compute in
     float32."""
-    op = "adamw_step_"
-    _check_hyper(op, "lr", lr)
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"{op}: beta1 must be in [0, 1), got {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"{op}: beta2 must be in [0, 1), got {beta2}")
-    _check_hyper(op, "weight_decay", weight_decay)
-    _check_hyper(op, "eps", eps)
-    params = list(params)
-    max_exp_avg_sqs = list(max_exp_avg_sqs)
-    if not amsgrad and max_exp_avg_sqs:
-        raise ValueError(f"{op}: amsgrad is off, so no max_exp_avg_sqs are expected")
-    states = [("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)]
-    if amsgrad:
-        states.append(("max_exp_avg_sqs", max_exp_avg_sqs))
-    validate_step_inputs(op, params, grads, states, masks, steps)
-    _check_step_scalars(op, params, clip_coef, grad_scale, found_inf)
+    params, max_exp_avg_sqs = check_adamw_inputs(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks, lr, beta1, beta2,
+        weight_decay, eps, amsgrad, clip_coef, grad_scale, found_inf)
     with torch.no_grad():
         for i, p in enumerate(params):
             mask = masks[i] if masks else None

@@ -26,7 +26,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <unordered_set>
 #include <vector>
 
 #if defined(__SSE2__)
@@ -142,16 +141,6 @@ Item make_item(at::TensorList params, at::TensorList grads,
   it.dtype = params[i].scalar_type();
   it.itemsize = static_cast<int64_t>(params[i].element_size());
   return it;
-}
-
-void check_distinct(const char* op, at::TensorList params) {
-  std::unordered_set<const void*> seen;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].numel() == 0) continue;
-    TORCH_CHECK(seen.insert(params[i].const_data_ptr()).second, "torchstruct::", op,
-                ": parameter ", i, " shares its memory with an earlier parameter; "
-                "each tensor may be stepped once per call");
-  }
 }
 
 double read_scalar(const std::optional<at::Tensor>& t, double absent) {
@@ -330,7 +319,6 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   if (params.empty()) return;
   TORCH_CHECK(params[0].device().is_cpu(), "torchstruct::sgd_step: CPU kernel called with "
               "tensors on ", params[0].device());
-  check_distinct("sgd_step", params);
   if (read_scalar(found_inf, 0.0) != 0.0) return;  // skipped step: nothing changes
 
   std::vector<Item> items(params.size());
@@ -607,7 +595,6 @@ void adamw_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   if (params.empty()) return;
   TORCH_CHECK(params[0].device().is_cpu(), "torchstruct::adamw_step: CPU kernel called with "
               "tensors on ", params[0].device());
-  check_distinct("adamw_step", params);
   if (read_scalar(found_inf, 0.0) != 0.0) return;  // skipped step: nothing changes
 
   std::vector<Item> items(params.size());

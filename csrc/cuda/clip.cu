@@ -8,8 +8,9 @@
 //     norm (in the promoted dtype of the grads, as clip_grad_norm_ returns it)
 //     and the coefficient min(max_norm / (norm + 1e-6), 1), evaluated as torch
 //     evaluates it in the accumulation dtype, into a device double;
-//  4. one `scale_kernel` launch per dtype group over the chunks of the tensors
-//     that are dense spans (read in place): each block reads the coefficient
+//  4. `scale_kernel` launches per dtype group over the chunks of the tensors
+//     that are dense spans (read in place; chunk tables as kernel arguments,
+//     see multi_tensor.cuh): each block reads the coefficient
 //     from device memory and returns at once when it is exactly 1 (x * 1 == x:
 //     the result is what PyTorch's unconditional multiply gives).
 // Tensors that are not dense spans (read from copies in step 2) are scaled with
@@ -58,51 +59,50 @@ __global__ void clip_finish_kernel(const double* __restrict__ partials, int64_t 
   }
 }
 
-// Multiplies chunks [0, grid) of a group in place by the coefficient (read from
+// Multiplies the chunks of a launch in place by the coefficient (read from
 // `coef_ptr` on the device, or `coef_value` when coef_ptr is null), in acc_t.
 template <typename scalar_t, typename acc_t>
-__global__ void scale_kernel(const int64_t* __restrict__ meta, int64_t num_tensors,
-                             int64_t num_chunks, const double* __restrict__ coef_ptr,
-                             double coef_value) {
+__global__ void __launch_bounds__(kThreads)
+    scale_kernel(NormArgs args, const double* __restrict__ coef_ptr, double coef_value) {
   const acc_t c = static_cast<acc_t>(coef_ptr != nullptr ? *coef_ptr : coef_value);
   if (c == acc_t(1)) return;
-  const ChunkRef r = chunk_ref(meta, num_tensors, num_chunks, blockIdx.x);
-  scalar_t* x = reinterpret_cast<scalar_t*>(meta[r.tensor]);
-  for (int64_t i = r.begin + threadIdx.x; i < r.end; i += blockDim.x) {
+  const Chunk r = chunk_of(args);
+  scalar_t* x = static_cast<scalar_t*>(args.ptr[0][r.tensor]) + r.begin;
+  for (int64_t i = threadIdx.x; i < r.size; i += kThreads) {
     x[i] = static_cast<scalar_t>(static_cast<acc_t>(x[i]) * c);
   }
 }
 
+template <typename scalar_t, typename acc_t>
+void launch_scale_of(const Group& g, const double* coef_ptr, double coef_value,
+                     cudaStream_t stream) {
+  // only the tensors used in place (the first num_direct of the group)
+  for_each_group_launch(g, g.num_direct, [&](const NormArgs& args, int blocks) {
+    scale_kernel<scalar_t, acc_t><<<blocks, kThreads, 0, stream>>>(args, coef_ptr, coef_value);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
 void launch_scale(const Plan& plan, const double* coef_ptr, double coef_value,
                   cudaStream_t stream) {
-  if (plan.total_chunks == 0) return;
-  const int64_t* meta_dev = plan.meta.const_data_ptr<int64_t>();
   for (const Group& g : plan.groups) {
     if (g.num_direct_chunks == 0) continue;
-    const int64_t n = static_cast<int64_t>(g.tensors.size());
-    const dim3 grid(static_cast<unsigned int>(g.num_direct_chunks));
-    const int64_t* gm = meta_dev + g.meta_offset;
     switch (g.dtype) {
       case c10::kFloat:
-        scale_kernel<float, float><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, coef_ptr,
-                                                                  coef_value);
+        launch_scale_of<float, float>(g, coef_ptr, coef_value, stream);
         break;
       case c10::kDouble:
-        scale_kernel<double, double><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, coef_ptr,
-                                                                    coef_value);
+        launch_scale_of<double, double>(g, coef_ptr, coef_value, stream);
         break;
       case c10::kHalf:
-        scale_kernel<c10::Half, float><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks,
-                                                                      coef_ptr, coef_value);
+        launch_scale_of<c10::Half, float>(g, coef_ptr, coef_value, stream);
         break;
       case c10::kBFloat16:
-        scale_kernel<c10::BFloat16, float><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks,
-                                                                          coef_ptr, coef_value);
+        launch_scale_of<c10::BFloat16, float>(g, coef_ptr, coef_value, stream);
         break;
       default:
         TORCH_CHECK(false, "torchstruct: unsupported dtype ", g.dtype);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 

@@ -1,25 +1,27 @@
 // CUDA kernels of torchstruct::sgd_step_ and torchstruct::adamw_step_.
 //
-// Multi-tensor and chunked, without host synchronization:
-//  1. The host builds one int64 metadata buffer: per dtype group, for each
-//     tensor its pointers (param, grad, state..., mask, step) and size, and a
-//     chunk table (tensor index, start element) with kChunk elements per
-//     chunk; it is copied to the device from pinned memory, asynchronously on
-//     the current stream.
-//  2. One launch per dtype group: one block per chunk; each thread updates
-//     elements begin + threadIdx.x, + blockDim.x, ... in one pass (read param,
-//     grad, state, mask; write param and state). clip_coef, grad_scale and
-//     found_inf are read on the device; with found_inf != 0 every block returns
-//     before writing.
-//  3. AdamW: a last small launch advances the step counts (not when
-//     found_inf != 0). The main launch reads each count and uses count + 1, so
-//     no block sees a half-updated one.
+// Multi-tensor and chunked, without host synchronization and safe to capture
+// in a CUDA graph:
+//  1. Per dtype group, launches whose chunk tables travel as kernel arguments
+//     (multi_tensor.cuh): for each tensor its pointers (param, grad, state...,
+//     mask, step) and size, and for each block its tensor and chunk of kChunk
+//     elements. Nothing is staged in host or device buffers.
+//  2. One block per chunk; each thread updates elements begin + threadIdx.x,
+//     + blockDim.x, ... in one pass (read param, grad, state, mask; write param
+//     and state). clip_coef, grad_scale and found_inf are read on the device;
+//     with found_inf != 0 every block returns before writing.
+//  3. AdamW: last small launches advance the step counts (not when
+//     found_inf != 0). The main launches read each count and use count + 1, so
+//     no block sees a half-updated one. Every parameter has its own count (a
+//     shared one is refused by the checks), so no two threads advance one count.
+// The checks (optim_common.h) also refuse a parameter listed twice: two blocks
+// would race on its elements.
 // The arithmetic is torch.optim's, with explicit rounding intrinsics (no
 // contraction by the compiler) and fma where PyTorch's CPU kernels fuse;
 // float16/bfloat16 compute in float32.
 #include "../optim_common.h"
+#include "multi_tensor.cuh"
 
-#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -33,9 +35,14 @@
 namespace torchstruct {
 namespace {
 
-constexpr int64_t kChunk = 64 * 1024;  // elements per block
-constexpr int kThreads = 512;
-constexpr int kFields = 8;  // per tensor: param, grad, s0, s1, s2, mask, step, numel
+using cuda::Chunk;
+using cuda::chunk_of;
+using cuda::kChunk;
+using cuda::kThreads;
+
+// per tensor: param, grad, s0, s1, s2, mask, step (and its numel)
+enum Field { kParam = 0, kGrad, kS0, kS1, kS2, kMask, kStep, kNumFields };
+using StepArgs = cuda::ChunkArgs<kNumFields, 32, 256>;
 
 // ---------------------------------------------------------------------------
 // rounding-exact arithmetic in the compute type
@@ -112,21 +119,17 @@ struct SgdArgs {
 };
 
 template <typename T>
-__global__ void sgd_kernel(const int64_t* __restrict__ meta, int64_t num_tensors,
-                           int64_t num_chunks, SgdArgs a,
-                           SgdScalars<typename Acc<T>::type> s, Device d) {
+__global__ void __launch_bounds__(kThreads)
+    sgd_kernel(StepArgs args, SgdArgs a, SgdScalars<typename Acc<T>::type> s, Device d) {
   using C = typename Acc<T>::type;
   if (skipped(d)) return;
-  const int64_t chunk = blockIdx.x;
-  const int64_t* chunk_tensor = meta + kFields * num_tensors;
-  const int64_t* chunk_start = chunk_tensor + num_chunks;
-  const int64_t* f = meta + kFields * chunk_tensor[chunk];
-  T* p = reinterpret_cast<T*>(f[0]);
-  const T* g = reinterpret_cast<const T*>(f[1]);
-  T* buf = reinterpret_cast<T*>(f[2]);
-  const bool* mask = reinterpret_cast<const bool*>(f[5]);
-  const int64_t begin = chunk_start[chunk];
-  const int64_t end = min(begin + kChunk, f[7]);
+  const Chunk c = chunk_of(args);
+  T* p = static_cast<T*>(args.ptr[kParam][c.tensor]);
+  const T* g = static_cast<const T*>(args.ptr[kGrad][c.tensor]);
+  T* buf = static_cast<T*>(args.ptr[kS0][c.tensor]);
+  const bool* mask = static_cast<const bool*>(args.ptr[kMask][c.tensor]);
+  const int64_t begin = c.begin;
+  const int64_t end = c.begin + c.size;
 
   C inv_scale, clip;
   grad_factors(d, &inv_scale, &clip);
@@ -154,24 +157,20 @@ struct AdamArgs {
 };
 
 template <typename T>
-__global__ void adamw_kernel(const int64_t* __restrict__ meta, int64_t num_tensors,
-                             int64_t num_chunks, AdamArgs a,
-                             AdamScalars<typename Acc<T>::type> s, Device d) {
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(StepArgs args, AdamArgs a, AdamScalars<typename Acc<T>::type> s, Device d) {
   using C = typename Acc<T>::type;
   if (skipped(d)) return;
-  const int64_t chunk = blockIdx.x;
-  const int64_t* chunk_tensor = meta + kFields * num_tensors;
-  const int64_t* chunk_start = chunk_tensor + num_chunks;
-  const int64_t* f = meta + kFields * chunk_tensor[chunk];
-  T* p = reinterpret_cast<T*>(f[0]);
-  const T* g = reinterpret_cast<const T*>(f[1]);
-  T* m = reinterpret_cast<T*>(f[2]);
-  T* v = reinterpret_cast<T*>(f[3]);
-  T* vmax = reinterpret_cast<T*>(f[4]);
-  const bool* mask = reinterpret_cast<const bool*>(f[5]);
-  const float* step_ptr = reinterpret_cast<const float*>(f[6]);
-  const int64_t begin = chunk_start[chunk];
-  const int64_t end = min(begin + kChunk, f[7]);
+  const Chunk c = chunk_of(args);
+  T* p = static_cast<T*>(args.ptr[kParam][c.tensor]);
+  const T* g = static_cast<const T*>(args.ptr[kGrad][c.tensor]);
+  T* m = static_cast<T*>(args.ptr[kS0][c.tensor]);
+  T* v = static_cast<T*>(args.ptr[kS1][c.tensor]);
+  T* vmax = static_cast<T*>(args.ptr[kS2][c.tensor]);
+  const bool* mask = static_cast<const bool*>(args.ptr[kMask][c.tensor]);
+  const float* step_ptr = static_cast<const float*>(args.ptr[kStep][c.tensor]);
+  const int64_t begin = c.begin;
+  const int64_t end = c.begin + c.size;
 
   C inv_scale, clip;
   grad_factors(d, &inv_scale, &clip);
@@ -202,12 +201,18 @@ __global__ void adamw_kernel(const int64_t* __restrict__ meta, int64_t num_tenso
   }
 }
 
-__global__ void advance_steps_kernel(const int64_t* __restrict__ step_ptrs, int64_t n, Device d) {
+// Up to kMaxSteps distinct step counts per launch, as a kernel argument.
+constexpr int kMaxSteps = 480;
+struct StepPtrs {
+  float* ptr[kMaxSteps];
+  int n;
+};
+static_assert(sizeof(StepPtrs) + sizeof(Device) <= 4000, "kernel arguments are limited to 4 KiB");
+
+__global__ void advance_steps_kernel(StepPtrs steps, Device d) {
   if (skipped(d)) return;
-  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-    float* s = reinterpret_cast<float*>(step_ptrs[i]);
-    *s = __fadd_rn(*s, 1.0f);
-  }
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < steps.n) steps.ptr[i][0] = __fadd_rn(steps.ptr[i][0], 1.0f);
 }
 
 // ---------------------------------------------------------------------------
@@ -217,12 +222,10 @@ __global__ void advance_steps_kernel(const int64_t* __restrict__ step_ptrs, int6
 struct Group {
   c10::ScalarType dtype;
   std::vector<int64_t> index;  // into the op's lists
-  int64_t meta_offset = 0;
-  int64_t num_chunks = 0;
 };
 
-int64_t ptr_of(at::TensorList list, int64_t i) {
-  return list.empty() ? 0 : reinterpret_cast<int64_t>(list[i].data_ptr());
+void* ptr_of(at::TensorList list, int64_t i) {
+  return list.empty() ? nullptr : list[i].data_ptr();
 }
 
 Device device_scalars(const std::optional<at::Tensor>& clip_coef,
@@ -244,69 +247,51 @@ Device device_scalars(const std::optional<at::Tensor>& clip_coef,
   return d;
 }
 
-// Builds the metadata (on the device) of the non-empty tensors, grouped by dtype.
-// `lists` are the per-tensor pointer sources, in field order 0..4 (s0..s2 may be
-// empty); masks and steps fill fields 5 and 6. The returned tensor keeps the
-// device copy alive until the launches are queued (the caching allocator
-// orders its reuse after them on this stream).
-at::Tensor build_meta(at::TensorList params, const std::vector<at::TensorList>& lists,
-                      const c10::List<std::optional<at::Tensor>>& masks, at::TensorList steps,
-                      std::vector<Group>* groups, int64_t* step_offset) {
+// The non-empty parameters grouped by dtype, in order of first appearance.
+std::vector<Group> dtype_groups(at::TensorList params) {
+  std::vector<Group> groups;
   for (size_t i = 0; i < params.size(); ++i) {
     if (params[i].numel() == 0) continue;
     Group* g = nullptr;
-    for (Group& existing : *groups) {
+    for (Group& existing : groups) {
       if (existing.dtype == params[i].scalar_type()) g = &existing;
     }
     if (g == nullptr) {
-      groups->push_back(Group{params[i].scalar_type(), {}});
-      g = &groups->back();
+      groups.push_back(Group{params[i].scalar_type(), {}});
+      g = &groups.back();
     }
     g->index.push_back(static_cast<int64_t>(i));
   }
-  int64_t size = 0;
-  for (Group& g : *groups) {
-    g.meta_offset = size;
-    for (int64_t i : g.index) g.num_chunks += (params[i].numel() + kChunk - 1) / kChunk;
-    size += kFields * static_cast<int64_t>(g.index.size()) + 2 * g.num_chunks;
-  }
-  *step_offset = size;
-  size += static_cast<int64_t>(steps.size());
-  at::Tensor host = at::empty(
-      {std::max<int64_t>(size, 1)},
-      at::TensorOptions().dtype(c10::kLong).device(c10::kCPU).pinned_memory(true));
-  int64_t* m = host.data_ptr<int64_t>();
-  for (const Group& g : *groups) {
-    const int64_t n = static_cast<int64_t>(g.index.size());
-    int64_t* fields = m + g.meta_offset;
-    int64_t* chunk_tensor = fields + kFields * n;
-    int64_t* chunk_start = chunk_tensor + g.num_chunks;
-    int64_t c = 0;
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t i = g.index[k];
-      int64_t* f = fields + kFields * k;
-      f[0] = reinterpret_cast<int64_t>(params[i].data_ptr());
-      for (size_t l = 0; l < lists.size(); ++l) f[1 + l] = ptr_of(lists[l], i);
-      for (size_t l = lists.size(); l < 4; ++l) f[1 + l] = 0;
-      f[5] = 0;
-      if (masks.size() > 0) {
-        const std::optional<at::Tensor> mk = masks.get(i);
-        if (mk.has_value() && mk->defined()) {
-          f[5] = reinterpret_cast<int64_t>(mk->const_data_ptr());
+  return groups;
+}
+
+// Calls launch(args, num_blocks) over the chunks of a group's parameters. `lists` are the
+// pointer sources of fields kGrad..kS2, in order (a state list may be empty: null).
+template <typename Launch>
+void for_each_step_launch(const Group& g, at::TensorList params,
+                          const std::vector<at::TensorList>& lists,
+                          const c10::List<std::optional<at::Tensor>>& masks, at::TensorList steps,
+                          Launch launch) {
+  cuda::for_each_launch<StepArgs>(
+      static_cast<int64_t>(g.index.size()),
+      [&](StepArgs& args, int slot, int64_t k) {
+        const int64_t i = g.index[k];
+        args.ptr[kParam][slot] = params[i].data_ptr();
+        for (int l = 0; l < kMask - kGrad; ++l) {
+          args.ptr[kGrad + l][slot] =
+              l < static_cast<int>(lists.size()) ? ptr_of(lists[l], i) : nullptr;
         }
-      }
-      f[6] = steps.empty() ? 0 : reinterpret_cast<int64_t>(steps[i].data_ptr());
-      f[7] = params[i].numel();
-      for (int64_t s = 0; s < params[i].numel(); s += kChunk, ++c) {
-        chunk_tensor[c] = k;
-        chunk_start[c] = s;
-      }
-    }
-  }
-  for (size_t i = 0; i < steps.size(); ++i) {
-    m[*step_offset + static_cast<int64_t>(i)] = reinterpret_cast<int64_t>(steps[i].data_ptr());
-  }
-  return host.to(params[0].device(), /*non_blocking=*/true);
+        args.ptr[kMask][slot] = nullptr;
+        if (masks.size() > 0) {
+          const std::optional<at::Tensor> mk = masks.get(i);
+          if (mk.has_value() && mk->defined()) {
+            args.ptr[kMask][slot] = const_cast<void*>(mk->const_data_ptr());
+          }
+        }
+        args.ptr[kStep][slot] = steps.empty() ? nullptr : steps[i].data_ptr();
+        args.numel[slot] = params[i].numel();
+      },
+      [&](int64_t k) { return params[g.index[k]].numel(); }, launch);
 }
 
 void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
@@ -322,11 +307,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   TORCH_CHECK(device.is_cuda(), "torchstruct::sgd_step_: CUDA kernel called with tensors on ",
               device);
   const c10::cuda::CUDAGuard guard(device);
-  std::vector<Group> groups;
-  int64_t step_offset = 0;
-  const at::Tensor meta = build_meta(params, {grads, momentum_buffers}, masks, {}, &groups,
-                                     &step_offset);
-  const int64_t* meta_dev = meta.const_data_ptr<int64_t>();
+  const std::vector<Group> groups = dtype_groups(params);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const SgdArgs args{momentum == 0.0 ? 0 : (first_step ? 1 : 2), nesterov ? 1 : 0};
   const SgdScalars<float> sf = sgd_scalars<float>(lr, momentum, dampening, weight_decay, maximize);
@@ -334,27 +315,26 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
       sgd_scalars<double>(lr, momentum, dampening, weight_decay, maximize);
   const Device d = device_scalars(clip_coef, grad_scale, found_inf);
   for (const Group& g : groups) {
-    const int64_t n = static_cast<int64_t>(g.index.size());
-    const dim3 grid(static_cast<unsigned int>(g.num_chunks));
-    const int64_t* gm = meta_dev + g.meta_offset;
-    switch (g.dtype) {
-      case c10::kFloat:
-        sgd_kernel<float><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, args, sf, d);
-        break;
-      case c10::kDouble:
-        sgd_kernel<double><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, args, sd, d);
-        break;
-      case c10::kHalf:
-        sgd_kernel<c10::Half><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, args, sf, d);
-        break;
-      case c10::kBFloat16:
-        sgd_kernel<c10::BFloat16><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, args, sf,
-                                                                 d);
-        break;
-      default:
-        TORCH_CHECK(false, "torchstruct::sgd_step_: unsupported dtype ", g.dtype);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    for_each_step_launch(g, params, {grads, momentum_buffers}, masks, {},
+                         [&](const StepArgs& a, int blocks) {
+      switch (g.dtype) {
+        case c10::kFloat:
+          sgd_kernel<float><<<blocks, kThreads, 0, stream>>>(a, args, sf, d);
+          break;
+        case c10::kDouble:
+          sgd_kernel<double><<<blocks, kThreads, 0, stream>>>(a, args, sd, d);
+          break;
+        case c10::kHalf:
+          sgd_kernel<c10::Half><<<blocks, kThreads, 0, stream>>>(a, args, sf, d);
+          break;
+        case c10::kBFloat16:
+          sgd_kernel<c10::BFloat16><<<blocks, kThreads, 0, stream>>>(a, args, sf, d);
+          break;
+        default:
+          TORCH_CHECK(false, "torchstruct::sgd_step_: unsupported dtype ", g.dtype);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   }
 }
 
@@ -373,11 +353,7 @@ void adamw_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   TORCH_CHECK(device.is_cuda(), "torchstruct::adamw_step_: CUDA kernel called with tensors on ",
               device);
   const c10::cuda::CUDAGuard guard(device);
-  std::vector<Group> groups;
-  int64_t step_offset = 0;
-  const at::Tensor meta = build_meta(params, {grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs},
-                                     masks, steps, &groups, &step_offset);
-  const int64_t* meta_dev = meta.const_data_ptr<int64_t>();
+  const std::vector<Group> groups = dtype_groups(params);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const AdamArgs args{lr, beta1, beta2, amsgrad ? 1 : 0};
   const AdamScalars<float> sf = adam_scalars<float>(lr, beta1, beta2, weight_decay, eps, maximize);
@@ -385,35 +361,39 @@ void adamw_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList
       adam_scalars<double>(lr, beta1, beta2, weight_decay, eps, maximize);
   const Device d = device_scalars(clip_coef, grad_scale, found_inf);
   for (const Group& g : groups) {
-    const int64_t n = static_cast<int64_t>(g.index.size());
-    const dim3 grid(static_cast<unsigned int>(g.num_chunks));
-    const int64_t* gm = meta_dev + g.meta_offset;
-    switch (g.dtype) {
-      case c10::kFloat:
-        adamw_kernel<float><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, args, sf, d);
-        break;
-      case c10::kDouble:
-        adamw_kernel<double><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, args, sd, d);
-        break;
-      case c10::kHalf:
-        adamw_kernel<c10::Half><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, args, sf,
-                                                               d);
-        break;
-      case c10::kBFloat16:
-        adamw_kernel<c10::BFloat16><<<grid, kThreads, 0, stream>>>(gm, n, g.num_chunks, args,
-                                                                   sf, d);
-        break;
-      default:
-        TORCH_CHECK(false, "torchstruct::adamw_step_: unsupported dtype ", g.dtype);
-    }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    for_each_step_launch(g, params, {grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs}, masks, steps,
+                         [&](const StepArgs& a, int blocks) {
+      switch (g.dtype) {
+        case c10::kFloat:
+          adamw_kernel<float><<<blocks, kThreads, 0, stream>>>(a, args, sf, d);
+          break;
+        case c10::kDouble:
+          adamw_kernel<double><<<blocks, kThreads, 0, stream>>>(a, args, sd, d);
+          break;
+        case c10::kHalf:
+          adamw_kernel<c10::Half><<<blocks, kThreads, 0, stream>>>(a, args, sf, d);
+          break;
+        case c10::kBFloat16:
+          adamw_kernel<c10::BFloat16><<<blocks, kThreads, 0, stream>>>(a, args, sf, d);
+          break;
+        default:
+          TORCH_CHECK(false, "torchstruct::adamw_step_: unsupported dtype ", g.dtype);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   }
-  // Every step advances, empty tensors' included (as torch's step_t += 1).
-  const int64_t nsteps = static_cast<int64_t>(steps.size());
-  if (nsteps == 0) return;
-  const unsigned int blocks = static_cast<unsigned int>(std::min<int64_t>((nsteps + 255) / 256, 64));
-  advance_steps_kernel<<<blocks, 256, 0, stream>>>(meta_dev + step_offset, nsteps, d);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // Every step advances, empty tensors' included (as torch's step_t += 1); the counts are
+  // distinct tensors (checked), so no two threads write one.
+  StepPtrs ptrs;
+  ptrs.n = 0;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    ptrs.ptr[ptrs.n++] = steps[i].data_ptr<float>();
+    if (ptrs.n == kMaxSteps || i + 1 == steps.size()) {
+      advance_steps_kernel<<<(ptrs.n + 127) / 128, 128, 0, stream>>>(ptrs, d);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      ptrs.n = 0;
+    }
+  }
 }
 
 }  // namespace

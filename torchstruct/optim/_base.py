@@ -6,9 +6,10 @@ A step, in order:
    parameters that will be stepped -- ``requires_grad`` true and a ``.grad`` --
    each tensor once (a tied parameter listed in several places is stepped at its
    first place), and check the hyper-parameters of every group, the gradients
-   (dense, a supported dtype), the masks (shape, dtype, device) and that the
-   compiled backend has a kernel for each parameter's device. Any problem
+   (dense, a supported dtype) and the masks (shape, dtype, device). Any problem
    raises here, naming the parameter, before any parameter or state changes.
+   (Every device has an implementation: a device without compiled kernels runs
+   PyTorch's fused ops, see ``torchstruct._ops``.)
 2. **AMP**: ``self.grad_scale`` / ``self.found_inf`` as ``torch.amp.GradScaler``
    sets them on optimizers with ``_step_supports_amp_scaling``. A ``found_inf``
    on the CPU is read on the host: when set, the step is skipped before any
@@ -326,9 +327,6 @@ class MaskedOptimizer(torch.optim.Optimizer):
         """[(group, params)] of what this step updates; raises (before any write)
         on bad input."""
         name = type(self).__name__
-        compiled = _ops.backend() == "compiled"
-        kernels = _ops._KERNELS.get(self._op, frozenset())
-        cpu_kernel = "cpu" in kernels
         masks = self.masks
         seen = set()
         plan = []
@@ -356,10 +354,6 @@ class MaskedOptimizer(torch.optim.Optimizer):
                         f"{name}: the gradient of {self._label(p)} has dtype {g.dtype}, shape "
                         f"{tuple(g.shape)} on {g.device}; expected the parameter's "
                         f"{dtype}, {tuple(p.shape)} on {p.device}")
-                if (compiled and not (p.is_cpu and cpu_kernel) and p.device.type not in kernels
-                        and p.device.type != "meta"):
-                    raise RuntimeError(f"{name}: {self._label(p)} is on {p.device}. "
-                                       + _ops._no_kernel_message(self._op, p.device))
                 if masks:
                     mask = masks.get(p)
                     if mask is not None:

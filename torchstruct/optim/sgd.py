@@ -92,6 +92,11 @@ class SGD(MaskedOptimizer):
                 if self._first_check(p):  # state from load_state_dict may be elsewhere: convert
                     state["momentum_buffer"] = self._state_like(p, buf)
                 later.append(i)
+        if first and found_inf is not None and bool(found_inf.reshape(()) != 0):
+            # An overflowed first step creates no buffer (torch skips the whole step), so the
+            # next step is a first step again. found_inf is read on the host here, only for
+            # parameters still without a buffer (on the CPU it was read before).
+            first = []
         for i in first:
             self.state[params[i]]["momentum_buffer"] = torch.zeros_like(
                 params[i], memory_format=torch.preserve_format)

@@ -1,0 +1,168 @@
+"""setup.py's choice of building the CUDA kernels (``_cuda_decision``), tested on its facts."""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load_setup():
+    path = os.path.join(REPO, "setup.py")
+    spec = importlib.util.spec_from_file_location("torchstruct_setup", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: defines the functions, builds nothing
+    return module
+
+
+setup_py = _load_setup()
+
+HAPPY = dict(torch_cuda="12.4", cuda_home="/usr/local/cuda", nvcc_found=True,
+             nvcc_version="12.6", arch_list=None, gpu_visible=True, no_cuda=False)
+
+
+def decide(**changes):
+    return setup_py._cuda_decision(**{**HAPPY, **changes})
+
+
+def test_happy_path_with_a_visible_gpu():
+    assert decide() == (True, None)
+
+
+def test_happy_path_with_an_arch_list_and_no_gpu():
+    assert decide(gpu_visible=False, arch_list="8.0;9.0") == (True, None)
+
+
+def test_runtime_only_cuda_without_nvcc():
+    build, reason = decide(nvcc_found=False, nvcc_version=None)
+    assert not build
+    assert "/usr/local/cuda has no bin/nvcc" in reason and "CUDA_HOME" in reason
+
+
+def test_nvcc_major_differs_from_torch():
+    build, reason = decide(nvcc_version="13.0")
+    assert not build
+    assert "nvcc 13.0" in reason and "torch's CUDA 12.4" in reason and "12.x" in reason
+
+
+def test_no_gpu_and_no_arch_list():
+    for arch_list in (None, "", "  "):
+        build, reason = decide(gpu_visible=False, arch_list=arch_list)
+        assert not build
+        assert "TORCH_CUDA_ARCH_LIST" in reason
+
+
+def test_no_cuda_env():
+    build, reason = decide(no_cuda=True)
+    assert not build and "TORCHSTRUCT_NO_CUDA" in reason
+
+
+def test_cpu_torch_and_no_toolkit():
+    build, reason = decide(torch_cuda=None)
+    assert not build and "CPU build" in reason
+    build, reason = decide(cuda_home=None, nvcc_found=False, nvcc_version=None)
+    assert not build and "no CUDA toolkit" in reason
+
+
+def test_unreadable_nvcc_version():
+    build, reason = decide(nvcc_version=None)
+    assert not build and "version" in reason
+
+
+@pytest.mark.parametrize("version, major", [("12.4", 12), ("13.0", 13), ("11", 11), (None, None),
+                                            ("", None), ("abc", None)])
+def test_major(version, major):
+    assert setup_py._major(version) == major
+
+
+def test_every_reason_is_one_line():
+    cases = [dict(no_cuda=True), dict(torch_cuda=None), dict(cuda_home=None),
+             dict(nvcc_found=False), dict(nvcc_version=None), dict(nvcc_version="11.8"),
+             dict(gpu_visible=False)]
+    for case in cases:
+        build, reason = decide(**case)
+        assert not build and reason and "\n" not in reason
+
+
+def test_facts_of_this_machine_and_the_printed_line(tmp_path):
+    """Run the real detection (torch, CUDA_HOME, nvcc) of this machine on a runtime-only
+    CUDA directory: it decides not to build and says why in one line."""
+    (tmp_path / "lib64").mkdir()
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('s', {os.path.join(REPO, 'setup.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "import torch\n"
+        "from torch.utils import cpp_extension\n"
+        f"cpp_extension.CUDA_HOME = {str(tmp_path)!r}\n"
+        "facts = m._cuda_facts(torch, cpp_extension)\n"
+        "assert facts['nvcc_found'] is False and facts['nvcc_version'] is None, facts\n"
+        "print(m._cuda_decision(**facts)[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
+
+
+def test_setup_py_still_runs_as_a_script():
+    env = dict(os.environ, TORCHSTRUCT_NO_EXTENSION="1")
+    out = subprocess.run([sys.executable, "setup.py", "--name"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "torchstruct"
+
+
+def test_extensions_print_one_line_when_cuda_is_skipped():
+    """On this machine (a CPU torch, or TORCHSTRUCT_NO_CUDA) the extension is the CPU one and
+    setup.py prints exactly one line saying why."""
+    code = (
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('s', {os.path.join(REPO, 'setup.py')!r})\n"
+        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "ext, cmd = m.extensions()\n"
+        "print(sorted({s.rsplit('.', 1)[-1] for s in ext[0].sources}))\n"
+    )
+    env = dict(os.environ, TORCHSTRUCT_NO_CUDA="1")
+    env.pop("TORCHSTRUCT_NO_EXTENSION", None)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "['cpp']"
+    lines = [line for line in out.stderr.splitlines() if line.startswith("torchstruct:")]
+    assert len(lines) == 1 and "CUDA kernels skipped" in lines[0]
+    assert "TORCHSTRUCT_NO_CUDA" in lines[0]
+
+
+def _nvcc():
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    candidates = [os.path.join(home, "bin", "nvcc")] if home else []
+    candidates.append(shutil.which("nvcc") or "")
+    return next((c for c in candidates if c and os.path.isfile(c)), None)
+
+
+def test_cuda_launch_tables_on_the_host(tmp_path):
+    """The CUDA kernels' chunk tables (passed as kernel arguments, csrc/cuda/multi_tensor.cuh)
+    cover every chunk once, within the table sizes: host code, built with nvcc, no GPU."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__)
+    exe = tmp_path / "multi_tensor_host"
+    build = subprocess.run(
+        [nvcc, "-std=c++20", "-O1", "-I", os.path.join(REPO, "csrc"),
+         "-I", os.path.join(torch_dir, "include"),
+         os.path.join(REPO, "csrc", "tests", "multi_tensor_host.cu"),
+         "-L", os.path.join(torch_dir, "lib"), "-lc10",
+         f"-Xlinker=-rpath={os.path.join(torch_dir, 'lib')}", "-o", str(exe)],
+        capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
