@@ -54,7 +54,8 @@ def _flags(model):
 
 
 def _registry_sizes():
-    return len(tstate.entries), len(tstate.live_states()), len(tstate.records)
+    live_entries = [e for e in tstate.entries if e.scope() is not None]  # dead: pruned lazily
+    return len(live_entries), len(tstate.live_states()), len(tstate.records)
 
 
 def _torch_function_modes():
