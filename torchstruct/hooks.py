@@ -83,7 +83,7 @@ class State:
             self._release_leavers({id(p) for p in idx.params})
             self.members = {id(p): weakref.ref(p) for p in idx.params}
             self.last = {path: (base[id(p)], flag) for path, p, flag in new}
-            modules = list(root.modules())
+            modules = idx.module_objects
             self.module_ids = frozenset(map(id, modules))
             self._sync_norm_hooks(modules)
             self.dirty = False

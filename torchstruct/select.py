@@ -40,6 +40,7 @@ class ParamIndex:
     params: tuple[nn.Parameter, ...]
     paths: tuple[tuple[str, ...], ...]
     modules: tuple[str, ...]
+    module_objects: tuple[nn.Module, ...] = ()
 
     def __iter__(self) -> Iterator[tuple[str, nn.Parameter]]:
         """``(canonical path, parameter)`` pairs, tied parameters once."""
@@ -53,22 +54,40 @@ class ParamIndex:
 
 
 def index(model: nn.Module) -> ParamIndex:
-    """Index ``model``'s parameters: each object once, with all its paths."""
+    """Index ``model``'s parameters: each object once, with all its paths.
+
+    One walk over the module dictionaries, in the order (and with the paths) of
+    ``named_modules`` / ``named_parameters(remove_duplicate=False)``; ``modules`` also lists each
+    distinct module object once, in that order (``module_objects``).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     slot: dict[int, int] = {}
     params: list[nn.Parameter] = []
     paths: list[list[str]] = []
-    for path, p in model.named_parameters(remove_duplicate=False):
-        i = slot.get(id(p))
-        if i is None:
-            slot[id(p)] = len(params)
-            params.append(p)
-            paths.append([path])
-        else:
-            paths[i].append(path)
-    modules = tuple(name for name, _ in model.named_modules(remove_duplicate=False) if name)
-    return ParamIndex(tuple(params), tuple(tuple(ps) for ps in paths), modules)
+    names: list[str] = []
+    objects: dict[int, nn.Module] = {}
+    stack = [("", model)]
+    while stack:  # pre-order: a module, its own parameters, then its children in order
+        prefix, mod = stack.pop()
+        if prefix:
+            names.append(prefix)
+        objects.setdefault(id(mod), mod)
+        dot = prefix + "." if prefix else ""
+        for name, p in mod._parameters.items():
+            if p is None:
+                continue
+            i = slot.get(id(p))
+            if i is None:
+                slot[id(p)] = len(params)
+                params.append(p)
+                paths.append([dot + name])
+            else:
+                paths[i].append(dot + name)
+        children = [(dot + name, child) for name, child in mod._modules.items() if child is not None]
+        stack.extend(reversed(children))
+    return ParamIndex(tuple(params), tuple(tuple(ps) for ps in paths), tuple(names),
+                      tuple(objects.values()))
 
 
 def _glob(pattern: str) -> Callable[[str, nn.Parameter], bool]:
@@ -108,7 +127,8 @@ def _predicate(
     if isinstance(sel, str):
         pred = _glob(sel)
         known = idx.all_paths() + list(idx.modules)
-        if strict and not any(fnmatch.fnmatchcase(name, sel) for name in known):
+        whole = re.compile(fnmatch.translate(sel)).match
+        if strict and not any(whole(name) for name in known):
             raise ValueError(
                 f"selector {sel!r} matches no parameter or module; closest paths: "
                 f"{_closest(sel, known)} (pass strict=False to allow an empty match)"
