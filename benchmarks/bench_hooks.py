@@ -129,7 +129,9 @@ def run(rounds: int = 30) -> str:
             ("small transformer (4 blocks, d 64), batch 32 × 16 tokens", small_transformer(),
              torch.randint(0, 64, (32, 16)), "6", 20),
             ("MLP (3 Linear + 2 LayerNorm), batch 32", small_mlp(), torch.randn(32, 128), "6", 100),
-            ("4 × Linear(256), batch 8", linear_stack(4, 256), torch.randn(8, 256), "3", 200),
+            ("4 × Linear(256), batch 8", linear_stack(4, 256), torch.randn(8, 256), "3", 400),
+            # a forward of a few µs: the hook's cost stands out of the noise
+            ("Linear(8, 8), batch 1", linear_stack(1, 8), torch.randn(1, 8), "0", 4000),
         ]
         rows = []
         for name, model, x, keep, inner in cases:
