@@ -108,10 +108,10 @@ def run(rounds: int) -> str:
         f"| `load_state_dict` back one stage | {change['load'] * 1e3:.2f} ms | |",
         "",
         f"Target: `step()` with nothing to change under 2 µs: {target}. Stage change on "
-        f"{name}, {tensors} parameter tensors on the meta device. A stage change enters one "
-        "context and leaves another (selectors resolved, flags written, DDP rule checked); it "
-        "happens a few times per run. Profiled, most of it is the contexts' own work: each "
-        "resolves its glob selectors against every path (twice) and recomputes every flag.",
+        f"{name}, {tensors} parameter tensors on the meta device. A stage change exchanges "
+        "the schedule's context for the next one in one application of the flags (the model "
+        "indexed, the selectors resolved, every flag computed, the DDP rule checked, the "
+        "changed flags written); it happens a few times per run.",
     ])
 
 

@@ -110,6 +110,36 @@ def pop(entry: Entry) -> None:
         _warn_undone(entry, [path for path, _, flag in changes if flag])
 
 
+def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
+    """Lift ``old`` and hold ``new`` (a context from ``_FlagContext.prepared``) in one
+    application: a flag change a guard refuses (DDP) raises, with both as they were.
+
+    ``old`` and ``new`` are contexts on the same model (or None); ``new`` ends active.
+    """
+    olds = [old._entry] if old is not None and old._active else []
+    news = [new._entry] if new is not None else []
+    anchor = (news or olds or [None])[0]
+    if anchor is None:
+        return
+    with _state.LOCK:
+        _drop_dead()
+        saved = list(_state.entries)
+        for entry in news:
+            scope = entry.scope()
+            entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
+        _state.entries[:] = [e for e in saved if e not in olds] + news
+        try:
+            _apply_around(anchor)
+        except BaseException:
+            _state.entries[:] = saved
+            _apply_around(anchor, refuse=False)
+            raise
+    if old is not None:
+        old._active = False
+    if new is not None:
+        new._active = True
+
+
 def _warn_undone(entry: Entry, turned_on: list[str]) -> None:
     """Leaving a block in which modules were added: a same-value ``requires_grad_(False)``
     written inside it (``get_peft_model`` freezing the base model) cannot be told apart from
@@ -213,7 +243,22 @@ class _FlagContext(_Context):
     ) -> None:
         super().__init__(model, *selectors, strict=strict, freeze_norm_stats=freeze_norm_stats)
 
+    @classmethod
+    def prepared(cls, model: nn.Module, *selectors, strict: bool = True,
+                 freeze_norm_stats: bool = True) -> "_FlagContext":
+        """The context, validated but not applied: :func:`exchange` applies it."""
+        ctx = cls.__new__(cls)
+        ctx._args = (model, *selectors)
+        ctx._kwargs = {"strict": strict, "freeze_norm_stats": freeze_norm_stats}
+        ctx._active = False
+        ctx._entry = ctx._make_entry()
+        return ctx
+
     def _apply(self) -> None:
+        push(self._make_entry())
+
+    def _make_entry(self) -> Entry:
+        """Validate the arguments (raises before any change) and build the stack entry."""
         model, *selectors = self._args
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -232,7 +277,7 @@ class _FlagContext(_Context):
             tuple(selectors),
             self._kwargs["freeze_norm_stats"],
         )
-        push(self._entry)
+        return self._entry
 
     def _undo(self) -> None:
         pop(self._entry)

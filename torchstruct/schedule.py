@@ -12,14 +12,12 @@ from __future__ import annotations
 import bisect
 import math
 import operator
-import warnings
 from collections.abc import Mapping
 
 from torch import nn
 
-from .contexts import freeze, freeze_except
-from .distributed import _ddp_problem
-from .select import index, select
+from .contexts import exchange, freeze, freeze_except
+from .select import select
 
 __all__ = ["UnfreezeSchedule"]
 
@@ -241,54 +239,28 @@ class UnfreezeSchedule:
 
     # ------------------------------------------------------------------ the context
     def _context_for(self, stage: int):
+        """The (validated, not yet applied) context that holds ``stage``, or None."""
         union = self._union(stage)
         if union is None:
             return None
-        kwargs = {"strict": self.strict, "freeze_norm_stats": self.freeze_norm_stats}
         if not union:
-            return freeze(self.model, freeze_norm_stats=self.freeze_norm_stats)
-        return freeze_except(self.model, *union, **kwargs)
+            return freeze.prepared(self.model, freeze_norm_stats=self.freeze_norm_stats)
+        return freeze_except.prepared(self.model, *union, strict=self.strict,
+                                      freeze_norm_stats=self.freeze_norm_stats)
 
     def _swap(self, stage: int, _apply_first: bool = False) -> None:
-        """Hold the context of ``stage`` instead of the current one, or change nothing."""
+        """Hold the context of ``stage`` instead of the current one, in one application of the
+        flags (a change DDP cannot follow is refused by its guard), or change nothing."""
         if self._closed:
             raise RuntimeError("UnfreezeSchedule: the schedule was closed")
-        idx = index(self.model)
-        before = [p.requires_grad for p in idx.params]
-        new = self._context_for(stage)  # enters at once; a refusal raises here, nothing changed
-        old = self._context
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            if old is not None:
-                old.__exit__(None, None, None)
-        changes = [
-            (path, p, p.requires_grad)
-            for (path, p), was in zip(idx, before)
-            if p.requires_grad is not was
-        ]
-        problems = [m for m in (_ddp_problem(*c) for c in changes) if m]
-        if problems:
+        new = self._context_for(stage)  # validated: a bad selector raises, nothing changed
+        try:
+            exchange(self._context, new)
+        except RuntimeError as e:
             where = "at construction" if _apply_first else f"to stage {stage}"
-            try:  # put the old context back first: the flags return without a transition
-                if old is not None:
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore")
-                        old.__enter__()
-            except BaseException as e:  # cannot go back: the new stage stands, and says so
-                self._context, self._stage = new, stage
-                self._next = self._steps[stage] if stage < len(self._steps) else math.inf
-                raise RuntimeError(
-                    f"UnfreezeSchedule: the change {where} is unsafe ({problems[0]}) and the "
-                    f"previous flags could not be restored ({e}); the schedule is now at "
-                    f"stage {stage}."
-                ) from e
-            if new is not None:
-                new.__exit__(None, None, None)
             raise RuntimeError(
-                f"UnfreezeSchedule: the change {where} is refused: {problems[0]} The schedule "
-                f"stays at step {self._step}, stage {self._stage}; no flag was changed."
-            )
-        for w in caught:  # not a refusal: let the warnings the flag changes gave through
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+                f"UnfreezeSchedule: the change {where} is refused: {e} The schedule stays at "
+                f"step {self._step}, stage {self._stage}; no flag was changed."
+            ) from e
         self._context, self._stage = new, stage
         self._next = self._steps[stage] if stage < len(self._steps) else math.inf
