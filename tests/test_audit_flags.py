@@ -290,23 +290,22 @@ class _Symmetric(nn.Module):
         return w.triu() + w.triu(1).T
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mark_trainable(lin, 'weight') then register_parametrization(lin, 'weight', ...) "
-    "moves the weight to parametrizations.weight.original: the declaration names 'weight', "
-    "which is no longer a direct parameter, so the declaration silently freezes the weight "
-    "(no parameter of lin trains, no error). Expected: the parametrized tensor keeps its "
-    "declaration (or mark_trainable/apply raises naming the vanished name).",
-)
-def test_a_declared_weight_still_trains_after_parametrization():
+def test_a_declared_weight_renamed_by_a_parametrization_is_a_clear_error():
+    """mark_trainable(lin, 'weight') then register_parametrization moves the weight to
+    parametrizations.weight.original: the declaration's name is gone. It must not silently
+    freeze the weight: the next application and every read raise, naming the name."""
     import torch.nn.utils.parametrize as parametrize
 
     lin = nn.Linear(3, 3)
     ts.mark_trainable(lin, "weight")
     parametrize.register_parametrization(lin, "weight", _Symmetric())
+    with pytest.raises(ValueError, match=r"\['weight'\] no longer name"):
+        lin(x3())
+    with pytest.raises(ValueError, match="parametrization or pruning"):
+        ts.trainable_parameters(lin)
+    ts.mark_trainable(lin, "parametrizations")  # declared again: trains
     lin(x3())
     assert lin.parametrizations.weight.original.requires_grad
-    assert [p for p, _ in ts.trainable_parameters(lin)] == ["parametrizations.weight.original"]
 
 
 def test_parametrization_inside_a_block_keeps_the_same_object_and_its_flag():
@@ -770,21 +769,19 @@ def test_contexts_with_held_batchnorm_from_two_threads():
 
 
 # ------------------------------------------------------------------------- more renames and writes
-@pytest.mark.xfail(
-    strict=True,
-    reason="mark_trainable(lin, 'weight') then torch.nn.utils.prune.l1_unstructured(lin, "
-    "'weight') renames the parameter to 'weight_orig' (the same object): the declaration "
-    "names 'weight', which is gone, so the pruned weight is silently frozen. Expected: the "
-    "weight keeps training (or an error names the vanished name).",
-)
-def test_a_declared_weight_still_trains_after_pruning():
+def test_a_declared_weight_renamed_by_pruning_is_a_clear_error():
+    """prune.l1_unstructured renames 'weight' to 'weight_orig' (the same object): a declaration
+    naming 'weight' must raise, not silently freeze the pruned weight."""
     import torch.nn.utils.prune as prune
 
     lin = nn.Linear(3, 3)
     ts.mark_trainable(lin, "weight")
     prune.l1_unstructured(lin, "weight", amount=0.3)
+    with pytest.raises(ValueError, match=r"\['weight'\] no longer name"):
+        lin(x3())
+    ts.mark_trainable(lin, "weight_orig")
     lin(x3())
-    assert lin.weight_orig.requires_grad
+    assert lin.weight_orig.requires_grad and not lin.bias.requires_grad
 
 
 def test_pruning_inside_a_block_keeps_the_object_and_restores_its_flag():

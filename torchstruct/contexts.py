@@ -26,7 +26,7 @@ from . import _state, hooks
 from .declare import selected_ids
 from .select import ParamIndex, index, select
 
-__all__ = ["freeze", "freeze_except", "unfreeze"]
+__all__ = ["freeze", "freeze_except", "unfreeze", "RestoredFlagsWarning"]
 
 
 # ----------------------------------------------------------------------------- the stack
