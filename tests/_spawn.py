@@ -103,3 +103,30 @@ def check(checks, name, ok, msg="") -> None:
 
 def close(a, b, rtol=1e-5, atol=1e-6) -> bool:
     return torch.allclose(a, b, rtol=rtol, atol=atol)
+
+
+# ----------------------------------------------------------------------------- shared scenario data
+BATCH = 8  # examples per step, split evenly over the ranks
+
+
+def small_model(seed: int = 0):
+    """The small MLP the distributed scenarios train (the same on every rank, by seed)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def batch():
+    """One full batch ``(x, y)``, the same on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(BATCH, 4, generator=g), torch.randn(BATCH, 2, generator=g)
+
+
+def half(t, rank: int):
+    """Rank ``rank``'s share of a full batch."""
+    n = BATCH // WORLD
+    return t[rank * n:(rank + 1) * n]

@@ -6,30 +6,15 @@ import torch
 from torch import nn
 
 from _spawn import WORLD, gloo_available, run
+from _spawn import batch as _batch
+from _spawn import half as _half
+from _spawn import small_model as _model
 from _spawn import check as _check
 from _spawn import close as _close
 from _spawn import failed as _failed
 
 if not gloo_available():
     pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
-
-BATCH = 8
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _batch():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(BATCH, 4, generator=g), torch.randn(BATCH, 2, generator=g)
-
-
-def _half(t, rank):
-    n = BATCH // WORLD
-    return t[rank * n:(rank + 1) * n]
-
 
 def _mse(out, y):
     return nn.functional.mse_loss(out, y)
