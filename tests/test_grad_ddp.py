@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from _spawn import WORLD, gloo_available, run
+from _spawn import gloo_available, run
 from _spawn import batch as _batch
 from _spawn import half as _half
 from _spawn import small_model as _model
