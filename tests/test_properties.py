@@ -129,7 +129,15 @@ class Reference:
         self.root = root
         self.base = {id(p): p.requires_grad for p in root.parameters()}
         self.marks = {}  # id(module) -> frozenset, from mark_trainable
-        self.stack = []  # active contexts: (kind, scope, selectors), creation order
+        self.stack = []  # active contexts: (kind, scope, selectors, serial), creation order
+        self.serial = 0  # of the newest context entered
+        self.over = {}  # id(p) -> contexts up to this serial no longer apply (a write by hand)
+
+    def push(self, kind, scope, sels):
+        self.serial += 1
+        entry = (kind, scope, sels, self.serial)
+        self.stack.append(entry)
+        return entry
 
     def shared(self):
         """Ids of the parameters reachable by more than one path."""
@@ -187,10 +195,12 @@ class Reference:
 
     def expected(self):
         flags = dict(self.base)
-        for kind, scope, sels in self.stack:
+        for kind, scope, sels, serial in self.stack:
             inside = {id(p) for p in scope.parameters()}
             chosen = self.selected(scope, sels)
             for i in inside:
+                if self.over.get(i, 0) >= serial:  # written by hand after it applied
+                    continue
                 if kind == "freeze" and i in chosen:
                     flags[i] = False
                 elif kind == "freeze_except" and i not in chosen:
@@ -283,8 +293,9 @@ def run_program(data, ref, depth, sub_scopes, attached=True):
         if op == "manual":
             p = data.draw(st.sampled_from(list(ref.root.parameters())), label="manual_p")
             value = data.draw(st.booleans(), label="manual_v")
-            if value != p.requires_grad:  # a change by hand is a new starting flag
-                ref.base[id(p)] = value
+            if value != p.requires_grad:  # a change by hand: a new starting flag that stands
+                ref.base[id(p)] = value  # against the contexts active now
+                ref.over[id(p)] = ref.serial
             p.requires_grad_(value)
             ts.attach(ref.root)  # the next application picks it up
             ref.check("after manual requires_grad_")
@@ -297,9 +308,8 @@ def run_program(data, ref, depth, sub_scopes, attached=True):
         scope = data.draw(st.sampled_from(scopes), label="scope")
         n_sel = data.draw(st.integers(0 if kind != "freeze_except" else 1, 2), label="n_sel")
         sels = [draw_selector(data, scope) for _ in range(n_sel)]
-        entry = (kind, scope, sels)
         ctx = KINDS[kind](scope, *sels, strict=False)
-        ref.stack.append(entry)
+        entry = ref.push(kind, scope, sels)
         ref.check(f"after entering {kind}", attached)
         if op == "bare" or depth >= 2:  # permanent (a bare call) or an empty block
             if op != "bare":
@@ -370,7 +380,7 @@ def test_summary_totals_match_reference(data):
         draw_mark(data, ref)
     sels = [draw_selector(data, root)]
     with ts.freeze(root, *sels, strict=False):
-        ref.stack.append(("freeze", root, sels))
+        ref.push("freeze", root, sels)
         want = ref.expected()
         s = ts.summary(root)
     unique = {id(p): p for p in root.parameters()}

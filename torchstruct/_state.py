@@ -2,12 +2,17 @@
 
 Everything torchstruct remembers between calls lives here, and nowhere else:
 
-- ``records``: per parameter, its *starting flag* and the flag torchstruct last wrote. Kept
-  here, not as attributes of the parameter, so that a copy of a parameter (``deepcopy``,
-  ``torch.save``) carries nothing of ours and behaves as plain PyTorch.
+- ``records``: per parameter, its *starting flag*, the flag torchstruct last wrote, and the
+  serial of the newest context a write by someone else overrides (see below). Kept here, not
+  as attributes of the parameter, so that a copy of a parameter (``deepcopy``, ``torch.save``)
+  carries nothing of ours and behaves as plain PyTorch.
 - ``states``: the attached models (roots), keyed by ``id``; each :class:`~torchstruct.hooks.State`
   holds its root weakly.
-- ``entries``: the active contexts of every model, outermost (oldest) first.
+- ``entries``: the active contexts of every model, outermost (oldest) first. Each context gets
+  a serial when it is pushed; ``applied_through`` is the newest serial whose flags were written.
+  A flag found different from the one torchstruct last wrote was written by someone else after
+  every context up to ``applied_through`` applied, so those contexts no longer apply to it: the
+  write stands until they exit (later contexts still apply on top of it).
 - ``frozen_norms``: the normalization layers whose running statistics are held right now.
 - ``flag_guards``: callbacks consulted before flags change (``torchstruct.distributed``).
 
@@ -21,6 +26,7 @@ changed: building an unrelated module costs the attached models nothing.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 
@@ -29,14 +35,22 @@ from torch.nn.modules import module as _module_mod
 
 LOCK = threading.RLock()
 
-# id(parameter) -> (weakref to it, starting flag, flag torchstruct last wrote)
-records: dict[int, tuple[weakref.ref, bool, bool]] = {}
+# id(parameter) -> (weakref to it, starting flag, flag torchstruct last wrote, serial of the
+# newest context that does not apply to it because someone else wrote its flag after it applied)
+records: dict[int, tuple[weakref.ref, bool, bool, int]] = {}
 
 # id(root) -> State (see torchstruct.hooks); a State holds its root weakly
 states: dict = {}
 
 # every active context (torchstruct.contexts.Entry), outermost first
 entries: list = []
+_serials = itertools.count(1)
+applied_through = 0  # every context with a serial up to this one has had its flags written
+
+
+def next_serial() -> int:
+    """A serial for a context being pushed (under the lock)."""
+    return next(_serials)
 
 # id(norm layer) -> the layer (weakly): layers whose running statistics are held now
 frozen_norms: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -49,12 +63,13 @@ flag_guards: list = []
 
 
 # ----------------------------------------------------------------------------- records
-def record(p) -> tuple[bool, bool] | None:
-    """``(starting flag, flag last written)`` of parameter ``p``, or None if never written."""
+def record(p) -> tuple[bool, bool, int] | None:
+    """``(starting flag, flag last written, overridden-through serial)`` of parameter ``p``, or
+    None if never written."""
     hit = records.get(id(p))
     if hit is None or hit[0]() is not p:
         return None
-    return hit[1], hit[2]
+    return hit[1], hit[2], hit[3]
 
 
 def _forget_dead(ref: weakref.ref, key: int) -> None:
@@ -63,14 +78,14 @@ def _forget_dead(ref: weakref.ref, key: int) -> None:
         del records[key]
 
 
-def set_record(p, base: bool, written: bool) -> None:
+def set_record(p, base: bool, written: bool, since: int = 0) -> None:
     hit = records.get(id(p))
     if hit is not None and hit[0]() is p:
         ref = hit[0]
     else:
         key = id(p)
         ref = weakref.ref(p, lambda r, key=key: _forget_dead(r, key))
-    records[id(p)] = (ref, base, written)
+    records[id(p)] = (ref, base, written, since)
 
 
 def forget(p) -> None:

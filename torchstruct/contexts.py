@@ -17,13 +17,12 @@ import inspect
 import sys
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, ClassVar
 
 from torch import nn
 
 from . import _state, hooks
-from .declare import selected_ids
 from .select import ParamIndex, index, select
 
 __all__ = ["freeze", "freeze_except", "unfreeze", "RestoredFlagsWarning"]
@@ -32,26 +31,77 @@ __all__ = ["freeze", "freeze_except", "unfreeze", "RestoredFlagsWarning"]
 # ----------------------------------------------------------------------------- the stack
 @dataclass(eq=False)
 class Entry:
-    """One active context: ``kind`` over ``selectors`` within ``scope``'s subtree."""
+    """One active context: ``kind`` over ``selectors`` within ``scope``'s subtree.
+
+    A context decides once per parameter whether its selectors pick it: the parameters present
+    at construction then, a parameter added later when it first appears (a copy put in place
+    of one, ``load_state_dict(assign=True)``, inherits the decision). So what a block selected
+    stays selected until it exits, whatever happens to paths (a ``Sequential`` renumbered) or
+    to the flags a callable selector reads.
+    """
 
     kind: str  # "freeze" | "freeze_except" | "unfreeze"
     scope: weakref.ref
     selectors: tuple
     freeze_norm_stats: bool = True
     registrations: int = 0  # the governing tree's registration count when entered
+    serial: int = 0  # set when pushed: later contexts have larger serials
+    # weakref to a parameter -> whether the selectors pick it. Keyed by the reference, not the
+    # id: a dead parameter's key never equals a live one's that reuses its id.
+    decided: dict = field(default_factory=dict)
 
-    def fold(self, flags: dict[int, bool], root: nn.Module, root_index: ParamIndex) -> None:
+    def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False
+               ) -> None:
+        """Record what the selectors pick among ``params`` of ``scope`` (indexed as ``idx``);
+        a callable selector is asked about these only."""
+        if len(self.decided) > 2 * len(idx.params) + 64:  # forget parameters that are gone
+            self.decided = {r: v for r, v in self.decided.items() if r() is not None}
+        if len(params) < len(idx.params):
+            asked = {id(p) for p in params}
+            rows = [(p, ps) for p, ps in zip(idx.params, idx.paths) if id(p) in asked]
+            idx = ParamIndex(tuple(p for p, _ in rows), tuple(ps for _, ps in rows),
+                             idx.modules, idx.module_objects)
+        chosen = {id(p) for _, p in select(scope, *self.selectors, strict=strict, idx=idx)}
+        for p in params:
+            self.decided[weakref.ref(p)] = id(p) in chosen
+
+    def selected(self, scope: nn.Module, idx: ParamIndex, params: list, starts: dict) -> set[int]:
+        """Ids of ``params`` the selectors pick, deciding for those seen the first time."""
+        if not self.selectors:
+            return {id(p) for p in params}
+        out, new = set(), []
+        for p in params:
+            ref = weakref.ref(p)
+            hit = self.decided.get(ref)
+            if hit is None:
+                source = starts[id(p)][2]  # the parameter p is a copy of, decided before
+                hit = self.decided.get(source) if source is not None else None
+                if hit is None:
+                    new.append(p)
+                    continue
+                self.decided[ref] = hit
+            if hit:
+                out.add(id(p))
+        if new:
+            self.decide(scope, idx, new)
+            out.update(id(p) for p in new if self.decided[weakref.ref(p)])
+        return out
+
+    def fold(self, flags: dict[int, bool], starts: dict, root: nn.Module,
+             root_index: ParamIndex) -> None:
         """Fold this context into ``flags`` (parameter id -> flag of ``root``'s parameters,
-        indexed as ``root_index``), within its scope."""
+        indexed as ``root_index``; ``starts`` as :func:`~torchstruct.declare.effective`),
+        within its scope, except for parameters whose flag someone wrote after it applied."""
         scope = self.scope()
         if scope is None:
             return
         idx = root_index if scope is root else index(scope)
-        ids = [id(p) for p in idx.params if id(p) in flags]
-        if not ids:
+        params = [p for p in idx.params if id(p) in flags and starts[id(p)][1] < self.serial]
+        if not params:
             return
-        chosen = selected_ids(scope, self.selectors, idx)
-        for i in ids:
+        chosen = self.selected(scope, idx, params, starts)
+        for p in params:
+            i = id(p)
             if self.kind == "freeze" and i in chosen:
                 flags[i] = False
             elif self.kind == "freeze_except" and i not in chosen:
@@ -88,6 +138,7 @@ def push(entry: Entry) -> None:
         _drop_dead()
         scope = entry.scope()
         entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
+        entry.serial = _state.next_serial()
         _state.entries.append(entry)
         try:
             _apply_around(entry)
@@ -95,6 +146,7 @@ def push(entry: Entry) -> None:
             _state.entries.remove(entry)
             _apply_around(entry, refuse=False)
             raise
+        _state.applied_through = entry.serial
 
 
 def pop(entry: Entry) -> None:
@@ -127,6 +179,7 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
         for entry in news:
             scope = entry.scope()
             entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
+            entry.serial = _state.next_serial()
         _state.entries[:] = [e for e in saved if e not in olds] + news
         try:
             _apply_around(anchor)
@@ -134,6 +187,7 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
             _state.entries[:] = saved
             _apply_around(anchor, refuse=False)
             raise
+        _state.applied_through = max([_state.applied_through] + [e.serial for e in news])
     if old is not None:
         old._active = False
     if new is not None:
@@ -269,14 +323,15 @@ class _FlagContext(_Context):
             if self.needs_selector:
                 raise TypeError(f"{type(self).__name__} needs at least one selector")
             selectors = []  # the whole of ``model`` (an empty tuple means that to Entry)
-        if selectors:
-            select(model, *selectors, strict=self._kwargs["strict"])  # raises before any change
         self._entry = Entry(
             self.kind,
             weakref.ref(model),  # a permanent context ends with its model
             tuple(selectors),
             self._kwargs["freeze_norm_stats"],
         )
+        if selectors:  # decided now for the parameters present; raises before any change
+            idx = index(model)
+            self._entry.decide(model, idx, list(idx.params), self._kwargs["strict"])
         return self._entry
 
     def _undo(self) -> None:

@@ -153,45 +153,55 @@ def _set_mark(module: nn.Module, mark: frozenset[str] | None) -> None:
 
 
 # ----------------------------------------------------------------------------- computing
-def starting_flag(p: nn.Parameter, path: str, last: dict) -> bool:
-    """The starting flag of ``p`` (at ``path`` of a tree whose last application was ``last``).
+def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, int | None]:
+    """Where ``p`` (at ``path`` of a tree whose last application was ``last``) starts from.
 
     The flag torchstruct last wrote stands for the recorded starting flag; any other value was
-    written by someone else and becomes the starting flag. A parameter put in place of another
-    without registration (FSDP2) that carries the flag torchstruct last wrote at its path is
-    taken as that parameter's copy and keeps its starting flag.
+    written by someone else after the contexts applied so far: it becomes the starting flag,
+    and those contexts no longer apply to ``p`` (the write stands; contexts entered later still
+    apply on top). A parameter put in place of another without torchstruct seeing it (FSDP2,
+    ``load_state_dict(assign=True)``) that carries the flag torchstruct last wrote at its path
+    is taken as that parameter's copy: it keeps its starting flag and what contexts decided
+    for it.
+
+    Returns:
+        ``(starting flag, serial of the newest context that no longer applies to p (0: none),
+        a weak reference to the parameter ``p`` is a copy of, or None)``.
     """
     rec = _state.record(p)
     if rec is not None:
-        return rec[0] if p.requires_grad is rec[1] else p.requires_grad
+        if p.requires_grad is rec[1]:
+            return rec[0], rec[2], None
+        return p.requires_grad, _state.applied_through, None
     before = last.get(path)
     if before is not None and before[1] is p.requires_grad:
-        return before[0]
-    return p.requires_grad
+        return before[0], before[2], before[3]
+    return p.requires_grad, 0, None
 
 
 def effective(
     root: nn.Module, last: dict | None = None
-) -> tuple[ParamIndex, dict[int, bool], dict[int, bool]]:
+) -> tuple[ParamIndex, dict[int, tuple], dict[int, bool]]:
     """The effective trainability of every parameter of ``root``, computed now.
 
     Arguments:
         root: the module whose declarations gate (its ancestors' are not consulted).
-        last: ``path -> (starting flag, flag written)`` of the tree's last application.
+        last: ``path -> (starting flag, flag written, serial, weakref to the parameter)`` of the
+            tree's last application.
 
     Returns:
-        ``(index, starting flags, effective flags)``, the flags keyed by parameter id.
+        ``(index, starts, effective flags)`` keyed by parameter id; ``starts`` holds what
+        :func:`starting_flag` returns.
     """
     idx = index(root)
     last = last or {}
-    base = {id(p): starting_flag(p, path, last) for path, p in idx}
-    flags = dict(base)
-    with _state.LOCK:
-        entries = list(_state.entries)
-    for entry in entries:
-        entry.fold(flags, root, idx)
+    with _state.LOCK:  # contexts remember what they decided for each parameter
+        starts = {id(p): starting_flag(p, path, last) for path, p in idx}
+        flags = {i: s[0] for i, s in starts.items()}
+        for entry in _state.entries:
+            entry.fold(flags, starts, root, idx)
     admitted = _admitted(root)
-    return idx, base, {i: f and i in admitted for i, f in flags.items()}
+    return idx, starts, {i: f and i in admitted for i, f in flags.items()}
 
 
 def _governing_root(model: nn.Module) -> nn.Module:
@@ -259,11 +269,3 @@ def is_trainable(model: nn.Module, path_or_param: str | nn.Parameter) -> bool:
     raise TypeError(
         f"is_trainable: expected a path or a parameter, got {type(path_or_param).__name__}"
     )
-
-
-def selected_ids(scope: nn.Module, selectors: tuple, idx: ParamIndex) -> set[int]:
-    """Ids of ``scope``'s parameters (indexed as ``idx``) picked by ``selectors`` (all of them
-    when empty)."""
-    if not selectors:
-        return {id(p) for p in idx.params}
-    return {id(p) for _, p in select(scope, *selectors, strict=False, idx=idx)}

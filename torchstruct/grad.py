@@ -42,7 +42,7 @@ from torch.nn.modules import module as _module_mod
 from . import _dtensor, _state
 from . import tree as _tree
 from .distributed import average_gradients, ddp_wrapper
-from .declare import trainable_parameters
+from .declare import starting_flag, trainable_parameters
 from .hooks import apply_pending
 from .select import index, select
 
@@ -86,10 +86,10 @@ class _only:
             self.before = [(p.requires_grad, _state.record(p)) for p in self.params]
             done = 0
             try:
-                for p, (flag, rec) in zip(self.params, self.before):
-                    base = rec[0] if rec is not None and flag is rec[1] else flag
+                for p in self.params:
+                    base, since, _ = starting_flag(p, "", {})
                     p.requires_grad_(id(p) in self.ids)
-                    _state.set_record(p, base, id(p) in self.ids)
+                    _state.set_record(p, base, id(p) in self.ids, since)
                     done += 1
             except BaseException:  # e.g. an unmaterialized lazy parameter: nothing changed
                 self._restore(done + 1)

@@ -40,7 +40,8 @@ class State:
     dirty: bool = True  # the root's tree changed since the last application
     registrations: int = 0  # registrations into the tree, ever (contexts compare it)
     module_ids: frozenset = frozenset()  # the tree's modules at the last application
-    # path -> (starting flag, flag written) at the last application
+    # path -> (starting flag, flag written, serial, weakref to the parameter) at the last
+    # application
     last: dict = field(default_factory=dict)
     # id -> weakref of the parameters at the last application
     members: dict = field(default_factory=dict)
@@ -60,7 +61,7 @@ class State:
         if root is None:
             return []
         with _state.LOCK:
-            idx, base, flags = effective(root, self.last)
+            idx, starts, flags = effective(root, self.last)
             if not all(isinstance(p, nn.Parameter) for p in idx.params):
                 # tensors standing in for parameters (torch.func.functional_call): not ours to
                 # write; applied once the parameters are back
@@ -79,10 +80,13 @@ class State:
             for path, p, flag in new:
                 if p.requires_grad is not flag:
                     p.requires_grad_(flag)
-                _state.set_record(p, base[id(p)], flag)
+                _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
             self._release_leavers({id(p) for p in idx.params})
             self.members = {id(p): weakref.ref(p) for p in idx.params}
-            self.last = {path: (base[id(p)], flag) for path, p, flag in new}
+            self.last = {
+                path: (starts[id(p)][0], flag, starts[id(p)][1], self.members[id(p)])
+                for path, p, flag in new
+            }
             modules = idx.module_objects
             self.module_ids = frozenset(map(id, modules))
             self._sync_norm_hooks(modules)
