@@ -38,7 +38,10 @@ class Entry:
     scope: weakref.ref
     selectors: tuple
     freeze_norm_stats: bool = True
-    registrations: int = 0  # the governing tree's registration count when entered
+    # the governing state's registration count when entered; shifted when a new state (an
+    # attached parent) replaces it (hooks.state_for), so that the difference at exit counts
+    # the registrations into the tree while the context was active
+    registrations: int = 0
 
     def fold(self, flags: dict[int, bool], root: nn.Module, root_index: ParamIndex) -> None:
         """Fold this context into ``flags`` (parameter id -> flag of ``root``'s parameters,
