@@ -414,7 +414,8 @@ def attach(model: nn.Module, *, freeze_norm_stats: bool | None = None) -> nn.Mod
 
 
 def detach_hooks(model: nn.Module) -> nn.Module:
-    """Remove every hook torchstruct installed on ``model`` and its submodules (flags stay).
+    """Remove every hook torchstruct installed on ``model`` and its submodules (flags, and the
+    ``freeze_norm_stats`` options given to :func:`attach`, stay).
 
     Also removes the inert hooks a copy of an attached model carries (``deepcopy``,
     ``torch.load``). Contexts still change flags at once while active; only the automatic
