@@ -79,13 +79,6 @@ def test_held_batchnorm_restores_training_mode_after_each_forward_and_on_error()
     assert not torch.equal(before, net[1].running_mean)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attach(parent) after attach(child, freeze_norm_stats=False) replaces the child's "
-    "state by a new one with the default True: the child's choice is lost silently and its "
-    "BatchNorm statistics are held while frozen. Expected: the option survives (per subtree) "
-    "or attach(parent) refuses/warns.",
-)
 def test_freeze_norm_stats_false_on_a_child_survives_attaching_the_parent():
     child = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     ts.attach(child, freeze_norm_stats=False)
@@ -97,13 +90,6 @@ def test_freeze_norm_stats_false_on_a_child_survives_attaching_the_parent():
         assert not torch.equal(before, child[1].running_mean)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="attach(child, freeze_norm_stats=True) on a child of a model attached with "
-    "freeze_norm_stats=False rewrites the option of the parent's state: every BatchNorm of "
-    "the parent, also outside the child, starts holding its statistics. Expected: the option "
-    "of one call affects only the module it names.",
-)
 def test_attaching_a_child_with_an_option_does_not_change_the_parent():
     child = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
     other = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
@@ -548,13 +534,6 @@ def test_a_block_elsewhere_does_not_hold_a_batchnorm_the_user_froze_by_hand():
 
 
 # ------------------------------------------------------------------------ attaching a parent later
-@pytest.mark.xfail(
-    strict=True,
-    reason="ts.attach(parent) inside a block on an attached child that had grown before: the "
-    "child's state (and its registration count) is replaced by the parent's, so leaving the "
-    "block compares counts of two different states and raises a RestoredFlagsWarning naming "
-    "the block's own restores although nothing was added inside the block.",
-)
 def test_attaching_the_parent_inside_a_childs_block_gives_no_spurious_warning():
     child = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     ts.attach(child)

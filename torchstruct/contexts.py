@@ -44,7 +44,10 @@ class Entry:
     scope: weakref.ref
     selectors: tuple
     freeze_norm_stats: bool = True
-    registrations: int = 0  # the governing tree's registration count when entered
+    # the governing state's registration count when entered; shifted when a new state (an
+    # attached parent) replaces it (hooks.state_for), so that the difference at exit counts
+    # the registrations into the tree while the context was active
+    registrations: int = 0
     serial: int = 0  # set when pushed: later contexts have larger serials
     # weakref to a parameter -> whether the selectors pick it. Keyed by the reference, not the
     # id: a dead parameter's key never equals a live one's that reuses its id.

@@ -5,7 +5,9 @@
   model's own tree changed (a parameter or module registered into it); otherwise it costs a
   dictionary look-up and an attribute read.
 - Normalization layers whose parameters are all frozen get a pair of hooks that hold their
-  running statistics (``freeze_norm_stats``).
+  running statistics. ``attach(module, freeze_norm_stats=...)`` stores the choice on
+  ``module`` itself; a layer follows the choice of its nearest ancestor-or-self that was given
+  one (default True), whichever tree it is attached in.
 - Every hook looks up a live owner before acting. A copy of a model (``deepcopy``,
   ``AveragedModel``, ``torch.save``/``torch.load``) carries the hook functions in its hook
   dictionaries, but no state governs the copy, so they do nothing there: the copy behaves as
@@ -31,12 +33,14 @@ from .declare import effective
 
 __all__ = ["attach", "detach_hooks"]
 
+_NORM_OPTION = "_torchstruct_freeze_norm_stats"  # attribute on a module: attach's option
+
+
 @dataclass(eq=False)
 class State:
     """What torchstruct keeps for one attached model (the root, held weakly)."""
 
     root: weakref.ref
-    freeze_norm_stats: bool = True
     dirty: bool = True  # the root's tree changed since the last application
     registrations: int = 0  # registrations into the tree, ever (contexts compare it)
     module_ids: frozenset = frozenset()  # the tree's modules at the last application
@@ -139,10 +143,12 @@ class State:
         self.norm_hooks.clear()
 
     def _norm_stats_frozen(self, mod: nn.Module) -> bool:
+        """Whether ``mod`` is a normalization layer whose statistics are to be held, the
+        option given to ``attach`` aside (see :func:`_opted_out`)."""
         if not (isinstance(mod, _NormBase) and mod.track_running_stats):
             return False
         params = [p for p in mod._parameters.values() if p is not None]
-        if not (self.freeze_norm_stats and params) or any(p.requires_grad for p in params):
+        if not params or any(p.requires_grad for p in params):
             return False
         if not any(_frozen_by_us(p) for p in params):  # frozen by PEFT or by hand: plain
             return False
@@ -158,6 +164,9 @@ class State:
         want = {}
         if self.hook is not None:  # detached: no hooks at all
             want = {id(m): m for m in modules if self._norm_stats_frozen(m)}
+        if want:  # the options are read only when some layer would be held
+            off = _opted_out(self.root())
+            want = {key: m for key, m in want.items() if key not in off}
         for key in list(self.norm_hooks):
             ref, handles = self.norm_hooks[key]
             mod = ref()
@@ -175,6 +184,28 @@ class State:
                 ]
                 self.norm_hooks[key] = (weakref.ref(mod), handles)
                 _state.frozen_norms[key] = mod
+
+
+def _opted_out(root: nn.Module | None) -> set[int]:
+    """Ids of the modules of ``root``'s tree given ``freeze_norm_stats=False``: by ``attach`` on
+    themselves or, failing that, on their nearest ancestor that was given an option.
+
+    One walk, in ``named_modules`` order: a module reachable by several paths follows its
+    first (canonical) path. Options given above ``root`` do not reach into its tree."""
+    off: set[int] = set()
+    seen: set[int] = set()
+    stack = [(root, True)] if root is not None else []
+    while stack:
+        mod, inherited = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        option = mod.__dict__.get(_NORM_OPTION, inherited)
+        if not option:
+            off.add(id(mod))
+        children = [c for c in mod._modules.values() if c is not None]
+        stack.extend((c, option) for c in reversed(children))
+    return off
 
 
 def _frozen_by_us(p) -> bool:
@@ -257,34 +288,65 @@ def _contains(root: nn.Module | None, module: nn.Module) -> bool:
     return root is not None and any(m is module for m in root.modules())
 
 
-def state_for(module: nn.Module) -> State:
-    """The state governing ``module``: its own, an attached ancestor's, or a new one.
-
-    A new state rooted at ``module`` replaces the states of attached descendants (their
-    declarations are now read from ``module`` down). Call under the lock.
-    """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
+def _governing(module: nn.Module) -> State | None:
+    """The existing state governing ``module``: its own, or an attached ancestor's."""
     st = _state.state_of(module)
     if st is not None:
         return st
     for other in _state.live_states():
         if _contains(other.root(), module):
             return other
+    return None
+
+
+def state_for(module: nn.Module) -> State:
+    """The state governing ``module``: its own, an attached ancestor's, or a new one.
+
+    A new state rooted at ``module`` replaces the states of attached descendants (their
+    declarations are now read from ``module`` down; options given to ``attach`` live on the
+    modules and stay). Active contexts governed by a replaced state count registrations from
+    the new one on (:func:`_rebase_entries`). Call under the lock.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"expected an nn.Module, got {type(module).__name__}")
+    st = _governing(module)
+    if st is not None:
+        return st
     st = State(None)
     st.root = weakref.ref(module, _released_when_dead(weakref.ref(st)))
-    for other in _state.live_states():
-        if _contains(module, other.root()):
-            other.uninstall()
-            _state.states.pop(id(other.root()), None)
-            st.members.update(other.members)  # released at the first application if gone
+    replaced = [other for other in _state.live_states() if _contains(module, other.root())]
+    before = _entry_governors() if replaced else []
+    for other in replaced:
+        other.uninstall()
+        _state.states.pop(id(other.root()), None)
+        st.members.update(other.members)  # released at the first application if gone
     _state.states[id(module)] = st
     try:
         st.install()
     except BaseException:  # e.g. a scripted module refuses Python hooks: no state is left
         _state.states.pop(id(module), None)
+        for other in replaced:
+            _state.states[id(other.root())] = other
+            other.install()
         raise
+    _rebase_entries(before)
     return st
+
+
+def _entry_governors() -> list:
+    """``(entry, governing state)`` of every active context."""
+    return [(e, _governing(s)) for e in _state.entries if (s := e.scope()) is not None]
+
+
+def _rebase_entries(before: list) -> None:
+    """A context's ``registrations`` is its governing state's count when it was entered; where
+    the governing state changed since ``before``, shift it by the difference of the two counts,
+    so that leaving the context measures the registrations into its tree since it was entered."""
+    for entry, old in before:
+        scope = entry.scope()
+        new = _governing(scope) if scope is not None else None
+        if old is not None and new is not None and new is not old:
+            entry.registrations += new.registrations - old.registrations
 
 
 def apply_pending(module: nn.Module) -> None:
@@ -313,24 +375,51 @@ def attach(model: nn.Module, *, freeze_norm_stats: bool | None = None) -> nn.Mod
     without registering them).
 
     Arguments:
-        model: the root module.
-        freeze_norm_stats: when given, sets whether normalization layers whose parameters are
-            all frozen stop updating (and use) their running statistics. Default True.
+        model: the module to attach (a submodule of an attached model is governed by that
+            model's hooks; attaching its parent later makes one tree of both).
+        freeze_norm_stats: when given (True or False), sets whether the normalization layers
+            of ``model``'s subtree whose parameters are all frozen (by torchstruct) stop
+            updating, and normalize with, their running statistics. The choice is stored on
+            ``model`` and inherited by its subtree: a layer follows the nearest
+            ancestor-or-self given an option (its own wins over its parent's, whichever was
+            given first), True when none was. Omitted, every stored option stays as it is.
+            It survives attaching a parent, :func:`detach_hooks` and re-attaching, and is
+            copied with the module (``deepcopy``). A context's own ``freeze_norm_stats=False``
+            still keeps plain behaviour for the layers in its scope while it is active.
 
     Returns:
         ``model``.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``, or ``freeze_norm_stats`` is neither
+            None nor a bool (nothing changes).
     """
+    if freeze_norm_stats is not None and not isinstance(freeze_norm_stats, bool):
+        raise TypeError(
+            f"attach: freeze_norm_stats must be True, False or None, got "
+            f"{type(freeze_norm_stats).__name__} {freeze_norm_stats!r}"
+        )
     with _state.LOCK:
         st = state_for(model)
-        if freeze_norm_stats is not None:
-            st.freeze_norm_stats = bool(freeze_norm_stats)
         st.install()
-        st.apply()
+        missing = object()
+        old = model.__dict__.get(_NORM_OPTION, missing)
+        if freeze_norm_stats is not None:
+            model.__dict__[_NORM_OPTION] = freeze_norm_stats
+        try:
+            st.apply()
+        except BaseException:  # a refused application: the option stays as it was
+            if old is missing:
+                model.__dict__.pop(_NORM_OPTION, None)
+            else:
+                model.__dict__[_NORM_OPTION] = old
+            raise
     return model
 
 
 def detach_hooks(model: nn.Module) -> nn.Module:
-    """Remove every hook torchstruct installed on ``model`` and its submodules (flags stay).
+    """Remove every hook torchstruct installed on ``model`` and its submodules (flags, and the
+    ``freeze_norm_stats`` options given to :func:`attach`, stay).
 
     Also removes the inert hooks a copy of an attached model carries (``deepcopy``,
     ``torch.load``). Contexts still change flags at once while active; only the automatic
