@@ -317,14 +317,6 @@ def test_old_style_weight_and_spectral_norm_inside_a_block(norm):
     assert all(flags(m)) and consistent(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.nn.utils.parametrizations.weight_norm inside a freeze block creates two new "
-    "parameters (original0/original1) that copy the weight's current flag, False, written by "
-    "the block: they start from False, so after the block the layer's weight stays frozen "
-    "for good; the RestoredFlagsWarning names only '0.bias'. Expected: the "
-    "layer's weight trains again after the block, or a warning names the parameters.",
-)
 def test_new_weight_norm_inside_a_block_trains_again_after_it():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     with warnings.catch_warnings(record=True) as caught:
@@ -1128,14 +1120,6 @@ class _Block(nn.Module):
         return ["mlp", "attn"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a trainable() declaration that became invalid inside a block (it names a child "
-    "deleted in the block) makes the exit raise before any flag is written: the context is "
-    "gone from the stack but '0.weight'/'0.bias' stay frozen for good (and is_trainable "
-    "raises too). §2: contexts restore exactly the previous flags, also when something "
-    "fails. Expected: the block's flags restored, then the declaration error raised.",
-)
 def test_an_invalid_declaration_at_exit_still_restores_the_blocks_flags():
     m = nn.Sequential(nn.Linear(2, 2), _Block())
     with pytest.raises(ValueError, match="mlp"):

@@ -591,3 +591,36 @@ def test_a_new_parameter_at_a_frozen_path_keeps_its_own_flag():
     with ts.freeze(m, "encoder"):
         pass
     assert m.head.weight.requires_grad is False
+
+
+# ------------------------------------------------------------- a declaration invalid at exit
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(2, 2)
+        self.mlp = nn.Linear(2, 2)
+        self.extra = nn.Linear(2, 2)
+
+    def trainable(self):
+        return ["mlp", "attn"]
+
+
+@pytest.mark.parametrize("how", ["method", "mark"])
+def test_leaving_a_block_with_a_declaration_made_invalid_restores_then_raises(how):
+    m = nn.Sequential(nn.Linear(2, 2), _TwoHeads())
+    if how == "mark":
+        ts.mark_trainable(m[1], "mlp", "attn")
+    with pytest.raises(ValueError, match="mlp"):
+        with ts.freeze(m, "0", "1.attn"):
+            assert not m[1].attn.weight.requires_grad
+            del m[1].mlp
+    # the block's own flags are back; what the declaration still names still trains, and the
+    # rest of its module stays frozen
+    assert m[0].weight.requires_grad and m[0].bias.requires_grad
+    assert m[1].attn.weight.requires_grad and m[1].attn.bias.requires_grad
+    assert not m[1].extra.weight.requires_grad
+    with pytest.raises(ValueError, match="mlp"):  # every read still says what is wrong
+        ts.is_trainable(m, "0.weight")
+    with pytest.raises(ValueError, match="mlp"):  # and so does entering a new context
+        ts.freeze(m, "0")
+    assert m[0].weight.requires_grad

@@ -52,6 +52,7 @@ class Entry:
     # weakref to a parameter -> whether the selectors pick it. Keyed by the reference, not the
     # id: a dead parameter's key never equals a live one's that reuses its id.
     decided: dict = field(default_factory=dict)
+    present: dict = field(default_factory=dict)  # the tree's parameters when entered (id -> ref)
 
     def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False
                ) -> None:
@@ -129,9 +130,16 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
     if others:  # other attached models holding the scope's parameters: applied too
         ids = {id(p) for p in scope.parameters()}
         others = [s for s in others if not ids.isdisjoint(s.live_members())]
-    changes = []
+    changes, errors = [], []
     for st in [governing, *others]:
-        changes += st.apply(refuse)
+        try:
+            changes += st.apply(refuse)
+        except (TypeError, ValueError) as err:  # restoring: every tree first, then raise
+            if refuse:
+                raise
+            errors.append(err)
+    if errors:
+        raise errors[0]
     return changes
 
 
@@ -150,6 +158,7 @@ def push(entry: Entry) -> None:
             _apply_around(entry, refuse=False)
             raise
         _state.applied_through = entry.serial
+        entry.present = hooks.state_for(scope).members if scope is not None else {}
 
 
 def pop(entry: Entry) -> None:
@@ -161,8 +170,9 @@ def pop(entry: Entry) -> None:
         registrations = hooks.state_for(scope).registrations if scope is not None else 0
         changes = _apply_around(entry, refuse=False)
         grown = registrations != entry.registrations
+        born = _born_frozen(entry) if grown else []
     if grown:
-        _warn_undone(entry, [path for path, _, flag in changes if flag])
+        _warn_undone(entry, [path for path, _, flag in changes if flag], born)
 
 
 def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
@@ -191,29 +201,69 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
             _apply_around(anchor, refuse=False)
             raise
         _state.applied_through = max([_state.applied_through] + [e.serial for e in news])
+        for entry in news:
+            scope = entry.scope()
+            entry.present = hooks.state_for(scope).members if scope is not None else {}
     if old is not None:
         old._active = False
     if new is not None:
         new._active = True
 
 
-def _warn_undone(entry: Entry, turned_on: list[str]) -> None:
+def _born_frozen(entry: Entry) -> list[str]:
+    """Paths of the parameters of the entry's scope that appeared inside the block, started
+    from ``requires_grad=False`` and are frozen now (call under the lock, after the exit's
+    application)."""
+    scope = entry.scope()
+    if scope is None:
+        return []
+    inside = {id(p) for p in scope.parameters()}
+    out = []
+    for path, (base, flag, _, ref) in hooks.state_for(scope).last.items():
+        p = ref()
+        if p is None or id(p) not in inside or base or flag:
+            continue
+        was = entry.present.get(id(p))
+        if was is None or was() is not p:
+            out.append(path)
+    return out
+
+
+def _names(paths: list[str]) -> str:
+    more = f" and {len(paths) - 5} more" if len(paths) > 5 else ""
+    return ", ".join(repr(p) for p in paths[:5]) + more
+
+
+def _warn_undone(entry: Entry, turned_on: list[str], born: list[str]) -> None:
     """Leaving a block in which modules were added: a same-value ``requires_grad_(False)``
     written inside it (``get_peft_model`` freezing the base model) cannot be told apart from
-    the block's own freezing, and is undone. Say so, naming the parameters."""
-    if not turned_on:
-        return
-    names = ", ".join(repr(p) for p in turned_on[:5])
-    more = f" and {len(turned_on) - 5} more" if len(turned_on) > 5 else ""
-    warnings.warn(
-        f"leaving ts.{entry.kind}: modules or parameters were added to the model inside the "
-        f"block, and {len(turned_on)} parameter(s) return to requires_grad=True: {names}{more}. "
-        "If code inside the block froze them on purpose (e.g. get_peft_model), that write "
-        "could not be told apart from the block's own and is undone: freeze them again after "
-        "the block (ts.freeze(model, ...) without `with`), or make the change outside the block.",
-        RestoredFlagsWarning,
-        stacklevel=4,
-    )
+    the block's own freezing, and is undone; a parameter created inside it may have copied
+    the flag the block wrote (a parametrization such as ``weight_norm``) and stays frozen.
+    Say so, naming the parameters."""
+    said = []
+    if turned_on:
+        said.append(
+            f"{len(turned_on)} parameter(s) return to requires_grad=True: {_names(turned_on)}. "
+            "If code inside the block froze them on purpose (e.g. get_peft_model), that write "
+            "could not be told apart from the block's own and is undone: freeze them again "
+            "after the block (ts.freeze(model, ...) without `with`), or make the change outside "
+            "the block."
+        )
+    if born:
+        said.append(
+            f"{len(born)} parameter(s) created inside the block started from "
+            f"requires_grad=False and stay frozen: {_names(born)}. If they took that flag from a "
+            "parameter the block froze (a parametrization such as weight_norm copies it), "
+            "unfreeze them after the block (ts.unfreeze(model, ...) without `with`), or make "
+            "the change outside the block."
+        )
+    if said:
+        warnings.warn(
+            f"leaving ts.{entry.kind}: modules or parameters were added to the model inside the "
+            "block, and " + " Also, ".join(said),
+            RestoredFlagsWarning,
+            stacklevel=5,
+        )
 
 
 class RestoredFlagsWarning(UserWarning):

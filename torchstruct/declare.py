@@ -84,12 +84,34 @@ def declared(module: nn.Module) -> frozenset[str] | None:
     return _check_names(module, method(module), f"{type(module).__name__}.trainable()")
 
 
-def _admitted(root: nn.Module) -> set[int]:
-    """Ids of the parameters that every declaration along some path of theirs admits."""
+def _still_named(module: nn.Module) -> frozenset[str]:
+    """What a declaration that :func:`declared` refuses still names (the names that exist);
+    nothing when it cannot be read at all."""
+    own = set(_own_names(module))
+    mark = module.__dict__.get(_MARK)
+    try:
+        names = mark if mark is not None else type(module).trainable(module)
+        if isinstance(names, (str, bytes)):
+            return frozenset()
+        return frozenset(n for n in names if isinstance(n, str) and n in own)
+    except Exception:  # noqa: BLE001 - a broken trainable(): admit nothing below it
+        return frozenset()
+
+
+def _admitted(root: nn.Module, lenient: bool = False) -> set[int]:
+    """Ids of the parameters that every declaration along some path of theirs admits.
+
+    With ``lenient``, a declaration that became invalid admits what it still names, instead
+    of raising (used to restore flags when a context exits; the error is raised after)."""
     out: set[int] = set()
 
     def walk(mod: nn.Module) -> None:
-        names = declared(mod)
+        try:
+            names = declared(mod)
+        except (TypeError, ValueError):
+            if not lenient:
+                raise
+            names = _still_named(mod)
         for name, p in mod._parameters.items():
             if p is not None and (names is None or name in names):
                 out.add(id(p))
@@ -180,7 +202,7 @@ def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, in
 
 
 def effective(
-    root: nn.Module, last: dict | None = None
+    root: nn.Module, last: dict | None = None, lenient: bool = False
 ) -> tuple[ParamIndex, dict[int, tuple], dict[int, bool]]:
     """The effective trainability of every parameter of ``root``, computed now.
 
@@ -188,6 +210,7 @@ def effective(
         root: the module whose declarations gate (its ancestors' are not consulted).
         last: ``path -> (starting flag, flag written, serial, weakref to the parameter)`` of the
             tree's last application.
+        lenient: an invalid declaration admits what it still names instead of raising.
 
     Returns:
         ``(index, starts, effective flags)`` keyed by parameter id; ``starts`` holds what
@@ -200,7 +223,7 @@ def effective(
         flags = {i: s[0] for i, s in starts.items()}
         for entry in _state.entries:
             entry.fold(flags, starts, root, idx)
-    admitted = _admitted(root)
+    admitted = _admitted(root, lenient)
     return idx, starts, {i: f and i in admitted for i, f in flags.items()}
 
 

@@ -60,12 +60,24 @@ class State:
 
         Returns:
             ``(path, parameter, new flag)`` of every flag that changed.
+
+        Raises:
+            ValueError, TypeError: an invalid declaration. With ``refuse=False`` (a context
+                exits and must restore) the flags are written first, an invalid declaration
+                admitting what it still names.
         """
         root = self.root()
         if root is None:
             return []
         with _state.LOCK:
-            idx, starts, flags = effective(root, self.last)
+            error = None
+            try:
+                idx, starts, flags = effective(root, self.last)
+            except (TypeError, ValueError) as err:  # an invalid declaration
+                if refuse:
+                    raise
+                error = err  # restoring (a context exits): write what can be, then raise
+                idx, starts, flags = effective(root, self.last, lenient=True)
             if not all(isinstance(p, nn.Parameter) for p in idx.params):
                 # tensors standing in for parameters (torch.func.functional_call): not ours to
                 # write; applied once the parameters are back
@@ -95,6 +107,8 @@ class State:
             self.module_ids = frozenset(map(id, modules))
             self._sync_norm_hooks(modules)
             self.dirty = False
+            if error is not None:
+                raise error
             return changes
 
     def _release_leavers(self, now: set[int]) -> None:
