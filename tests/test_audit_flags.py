@@ -790,16 +790,6 @@ def test_contexts_under_inference_mode_and_inside_a_compiled_function():
 
 
 # ------------------------------------------------------------------- shared and leaving submodules
-@pytest.mark.xfail(
-    strict=True,
-    reason="a declaration on model A (mark_trainable(A): nothing of A trains) over a "
-    "submodule shared with attached model B freezes the shared weight, but B's reads ignore "
-    "A's declaration (is_trainable(B, '0.weight') is True while the flag is False), and B's "
-    "next application after a registration would write True, silently lifting A's "
-    "declaration. Contexts on A, by contrast, are seen by B's reads. Expected: one answer "
-    "for one flag (declarations of every attached model holding the parameter), or an error "
-    "on conflicting declarations.",
-)
 def test_a_declaration_on_one_model_is_seen_by_another_sharing_the_submodule():
     s = nn.Linear(3, 3)
     a = nn.Sequential(s)

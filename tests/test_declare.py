@@ -624,3 +624,26 @@ def test_leaving_a_block_with_a_declaration_made_invalid_restores_then_raises(ho
     with pytest.raises(ValueError, match="mlp"):  # and so does entering a new context
         ts.freeze(m, "0")
     assert m[0].weight.requires_grad
+
+
+# ------------------------------------------------------------- models that share a submodule
+def test_declarations_of_every_attached_model_holding_a_parameter_gate_it():
+    shared = nn.Linear(2, 2)
+    a = nn.Sequential(shared, nn.Linear(2, 2))
+    b = nn.Sequential(nn.Linear(2, 2), shared)
+    ts.attach(a)
+    ts.attach(b)
+    ts.mark_trainable(a, "1")  # a: the shared layer does not train
+    for model in (a, b):
+        model.append(nn.Identity())  # a registration: each re-applies at its forward
+        model(torch.randn(1, 2))
+        assert not shared.weight.requires_grad
+        assert not ts.is_trainable(model, shared.weight)
+        assert {id(p) for _, p in ts.trainable_parameters(model)} == {
+            id(p) for p in model.parameters() if p.requires_grad}
+    assert b[0].weight.requires_grad and a[1].weight.requires_grad
+    ts.mark_trainable(a, None)
+    assert shared.weight.requires_grad and ts.is_trainable(b, "1.weight")
+    del b[1]  # b no longer holds it: only a's declarations count
+    ts.mark_trainable(b, "0")
+    assert shared.weight.requires_grad and ts.is_trainable(a, "0.weight")
