@@ -448,14 +448,6 @@ def test_value_and_grad_wrt_a_frozen_parameter_gives_its_gradient_and_changes_no
 
 
 # --------------------------------------------------------------------------------------- swa_utils
-@pytest.mark.xfail(
-    strict=True,
-    reason="torch.optim.swa_utils.update_bn(loader, model) on a model whose BatchNorm is "
-    "frozen by torchstruct resets the running statistics (mean 0, var 1) and then every "
-    "forward is held, so the model is left with the reset statistics: silently wrong. "
-    "Expected: update_bn recomputes them (as in PyTorch), or the hold never leaves a layer "
-    "with statistics it did not have; at the least an error/warning.",
-)
 def test_update_bn_on_a_model_with_frozen_batchnorm_recomputes_the_statistics():
     from torch.optim.swa_utils import update_bn
 

@@ -271,3 +271,30 @@ def test_get_peft_model_after_attaching_the_parent_inside_the_block_warns():
             peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q"]))
     assert "q.base_layer.weight" in str(record[0].message)
     assert base.q.lora_A["default"].weight.requires_grad is True
+
+
+# ------------------------------------------------------------------ update_bn on the model itself
+def test_update_bn_recomputes_held_statistics_and_the_hold_resumes_after_it():
+    from torch.optim.swa_utils import update_bn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    ts.freeze_except(net, "2")
+    batches = [torch.randn(16, 3) for _ in range(3)]
+    update_bn(batches, net)
+    h = torch.cat([net[0](x) for x in batches]).detach()
+    assert torch.allclose(net[1].running_mean, h.mean(0), atol=1e-5)
+    assert net[1].momentum == 0.1  # update_bn put it back
+    net.train()
+    before = net[1].running_mean.clone()
+    net(torch.randn(16, 3))  # held again
+    assert torch.equal(before, net[1].running_mean)
+
+
+def test_a_layer_built_with_cumulative_averaging_is_still_held():
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, momentum=None), nn.Linear(3, 1))
+    net(torch.randn(8, 3))  # some statistics
+    with ts.freeze(net, "1"):
+        before = net[1].running_mean.clone()
+        net(torch.randn(8, 3))
+        assert torch.equal(before, net[1].running_mean)

@@ -52,8 +52,9 @@ def next_serial() -> int:
     """A serial for a context being pushed (under the lock)."""
     return next(_serials)
 
-# id(norm layer) -> the layer (weakly): layers whose running statistics are held now
-frozen_norms: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# id(norm layer) -> (weakref to the layer, its momentum when the hold began): layers whose
+# running statistics are held now
+frozen_norms: dict[int, tuple[weakref.ref, object]] = {}
 
 # Called as guard(changes, refuse) before flags are written, with the (path, parameter, new
 # flag) of every parameter whose flag would change. With refuse=True a guard raises to refuse

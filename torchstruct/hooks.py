@@ -197,7 +197,7 @@ class State:
                     mod.register_forward_hook(_norm_post, always_call=True),
                 ]
                 self.norm_hooks[key] = (weakref.ref(mod), handles)
-                _state.frozen_norms[key] = mod
+                _state.frozen_norms[key] = (weakref.ref(mod), getattr(mod, "momentum", None))
 
 
 def _opted_out(root: nn.Module | None) -> set[int]:
@@ -277,7 +277,13 @@ _module_mod.register_module_module_registration_hook(_on_module_registered)
 
 
 def _held(module: nn.Module) -> bool:
-    return _state.frozen_norms.get(id(module)) is module
+    """Whether a live state holds ``module``'s statistics now. Not while the layer was switched
+    to a cumulative average since the hold began (``momentum=None``: what
+    ``torch.optim.swa_utils.update_bn`` does to recompute the statistics on purpose)."""
+    hit = _state.frozen_norms.get(id(module))
+    if hit is None or hit[0]() is not module:
+        return False
+    return not (module.momentum is None and hit[1] is not None)
 
 
 def _norm_pre(module: nn.Module, _args) -> None:
