@@ -113,13 +113,6 @@ def test_a_head_added_after_a_bare_context_follows_it_at_the_next_forward_of_tor
     assert consistent(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="nn.Module.compile() (in place) compiles _call_impl, so the root's forward pre-hook "
-    "runs traced, where _pre_forward returns at once: a head added later is never frozen "
-    "by the bare freeze_except (requires_grad stays True while is_trainable says False). "
-    "Expected: the same as torch.compile(m) and as eager: applied at the next forward.",
-)
 def test_a_head_added_after_a_bare_context_follows_it_with_module_compile():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     ts.freeze_except(m, "1")
@@ -130,14 +123,6 @@ def test_a_head_added_after_a_bare_context_follows_it_with_module_compile():
     assert consistent(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a compiled training step (`@torch.compile def step(x): return m(x).sum()`) traces "
-    "the root's forward pre-hook, where _pre_forward returns at once: a head added after a "
-    "bare freeze_except is never frozen however many steps run (requires_grad True, "
-    "is_trainable False). Expected: applied before the compiled frame runs, as for "
-    "torch.compile(m).",
-)
 def test_a_head_added_after_a_bare_context_follows_it_in_a_compiled_step_function():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
     ts.freeze_except(m, "1")

@@ -209,3 +209,45 @@ def test_structural_grad_of_a_compiled_models_loss_equals_eager():
     for a, b in zip(ts.tree.leaves(ge), ts.tree.leaves(gc_)):
         torch.testing.assert_close(b, a)
     assert all(p.grad is None for p in twin.parameters())
+
+
+def _counting_backend(graphs: list):
+    def backend(gm, _inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    return backend
+
+
+def test_a_compiled_step_applies_a_change_once_and_then_stops_recompiling():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    ts.freeze_except(m, "1")
+    graphs = []
+
+    @torch.compile(backend=_counting_backend(graphs))
+    def step(x):
+        return m(x).sum()
+
+    x = torch.randn(4, 3)
+    step(x).backward()
+    m.append(nn.Linear(3, 1))  # the next compiled call applies it, outside the graph
+    step(x).backward()
+    assert not m[2].weight.requires_grad and m[2].weight.grad is None
+    assert [p.requires_grad for p in m.parameters()] == [False, False, True, True, False, False]
+    settled = len(graphs)
+    for _ in range(3):
+        step(x).backward()
+    assert len(graphs) == settled  # no graph break or retrace once the change is applied
+
+
+def test_module_compile_in_place_with_fullgraph_refuses_a_pending_change():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    ts.freeze_except(m, "1")
+    m.compile(backend="eager", fullgraph=True)
+    m(torch.randn(2, 3))
+    m.append(nn.Linear(3, 1))
+    with pytest.raises(Exception, match="_apply_pending_eagerly"):
+        m(torch.randn(2, 3))  # cannot apply inside one graph: an error, not a stale flag
+    ts.attach(m)  # applied eagerly: the compiled forward runs again
+    m(torch.randn(2, 3))
+    assert not m[2].weight.requires_grad

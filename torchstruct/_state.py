@@ -116,13 +116,20 @@ def state_of(root: nn.Module):
     return st if st is not None and st.root() is root else None
 
 
+# Whether some attached tree may have changed since its last application (a registration).
+# Compiled code reads it (and guards on it): see torchstruct.hooks._pre_forward.
+pending = False
+
+
 def _on_registered(module: nn.Module, _name: str, _value) -> None:
     """A parameter or module was registered into ``module``: only trees holding it changed."""
+    global pending
     key = id(module)
     for st in list(states.values()):
         if key in st.module_ids:
             st.dirty = True
             st.registrations += 1
+            pending = True
 
 
 _module_mod.register_module_parameter_registration_hook(_on_registered)

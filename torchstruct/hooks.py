@@ -107,6 +107,7 @@ class State:
             self.module_ids = frozenset(map(id, modules))
             self._sync_norm_hooks(modules)
             self.dirty = False
+            _state.pending = any(st.dirty for st in _state.states.values())
             if error is not None:
                 raise error
             return changes
@@ -130,6 +131,7 @@ class State:
         for st in others:
             if not st.live_members().isdisjoint(mine):
                 st.dirty = True
+                _state.pending = True
         _release(self.members, {i for st in others for i in st.live_members()})
         self.members = {}
         self.uninstall()
@@ -257,10 +259,22 @@ _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is
 
 def _pre_forward(module: nn.Module, _args) -> None:
     if _is_compiling():  # flags are written eagerly; compiled code guards on them
+        if _state.pending:  # read while tracing: a registration later makes dynamo retrace
+            _apply_pending_eagerly()  # a graph break: runs eagerly, before the traced forward
         return
     st = _state.states.get(id(module))
     if st is not None and st.dirty and st.root() is module:
         st.apply()
+
+
+@torch.compiler.disable
+def _apply_pending_eagerly() -> None:
+    """Inside compiled code (``module.compile()``, a compiled step calling the model): apply
+    every attached tree changed since its last application, outside the graph."""
+    with _state.LOCK:
+        for st in _state.live_states():
+            if st.dirty:
+                st.apply()
 
 
 def _pre_compiled_forward(wrapper: nn.Module, _args) -> None:
