@@ -251,3 +251,29 @@ def test_module_compile_in_place_with_fullgraph_refuses_a_pending_change():
     ts.attach(m)  # applied eagerly: the compiled forward runs again
     m(torch.randn(2, 3))
     assert not m[2].weight.requires_grad
+
+
+def test_a_dropped_model_with_a_pending_change_does_not_keep_compiled_code_breaking():
+    import gc
+
+    from torchstruct import _state
+
+    other = nn.Sequential(nn.Linear(3, 3))
+    ts.attach(other)
+    other.append(nn.Linear(3, 3))  # a change never applied: the model is dropped
+    assert _state.pending
+    del other
+    gc.collect()
+    m = nn.Sequential(nn.Linear(3, 3))
+    ts.attach(m)
+    graphs = []
+
+    @torch.compile(backend=_counting_backend(graphs))
+    def step(x):
+        return m(x).sum()
+
+    step(torch.randn(2, 3))
+    settled = len(graphs)
+    for _ in range(3):
+        step(torch.randn(2, 3))
+    assert not _state.pending and len(graphs) == settled

@@ -121,6 +121,11 @@ def state_of(root: nn.Module):
 pending = False
 
 
+def any_dirty() -> bool:
+    """Whether a live attached tree changed since its last application."""
+    return any(st.dirty and st.root() is not None for st in states.values())
+
+
 def _on_registered(module: nn.Module, _name: str, _value) -> None:
     """A parameter or module was registered into ``module``: only trees holding it changed."""
     global pending

@@ -107,7 +107,7 @@ class State:
             self.module_ids = frozenset(map(id, modules))
             self._sync_norm_hooks(modules)
             self.dirty = False
-            _state.pending = any(st.dirty for st in _state.states.values())
+            _state.pending = _state.any_dirty()
             if error is not None:
                 raise error
             return changes
@@ -275,6 +275,7 @@ def _apply_pending_eagerly() -> None:
         for st in _state.live_states():
             if st.dirty:
                 st.apply()
+        _state.pending = _state.any_dirty()  # also when none was (a model that died)
 
 
 def _pre_compiled_forward(wrapper: nn.Module, _args) -> None:
