@@ -1,0 +1,204 @@
+"""Outside-eyes checks of the rules on who sets which flag, what a context decides, shared
+parameters, normalization statistics and the warnings, against PyTorch and a brute-force model
+of the rules as docs/freezing.md states them."""
+import copy
+import gc
+import os
+import random
+import threading
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.optim.swa_utils import update_bn
+
+import torchstruct as ts
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def flags(m):
+    return [p.requires_grad for p in m.parameters()]
+
+
+def reads(m):
+    chosen = {id(p) for _, p in ts.trainable_parameters(m)}
+    return [id(p) in chosen for p in m.parameters()]
+
+
+def restored_warnings(caught):
+    return [str(w.message) for w in caught if issubclass(w.category, ts.RestoredFlagsWarning)]
+
+
+# ----------------------------------------------------------------------------- a brute-force model
+class Rules:
+    """The documented rules, computed from scratch for two models A and B sharing a submodule S.
+
+    Parameters (by name): a0w a0b (A only), sw sb (S: A's "1", B's "0"), b1w b1b (B only).
+    """
+
+    PARAMS = ["a0w", "a0b", "sw", "sb", "b1w", "b1b"]
+    SCOPE = {"A": {"a0w", "a0b", "sw", "sb"}, "B": {"sw", "sb", "b1w", "b1b"}}
+    SELECT = {
+        "A": {"0": {"a0w", "a0b"}, "1": {"sw", "sb"}, "*.weight": {"a0w", "sw"}, "1.bias": {"sb"}},
+        "B": {"0": {"sw", "sb"}, "1": {"b1w", "b1b"}, "*.weight": {"sw", "b1w"}, "0.bias": {"sb"}},
+    }
+    # declarations: module -> names it declares (None: no declaration); what each admits
+    ADMITS = {
+        ("A", "0"): {"a0w", "a0b"}, ("A", "1"): {"sw", "sb"},
+        ("B", "0"): {"sw", "sb"}, ("B", "1"): {"b1w", "b1b"},
+        ("S", "weight"): {"sw"}, ("S", "bias"): {"sb"},
+    }
+
+    def __init__(self):
+        self.flag = {p: True for p in self.PARAMS}  # the real bit
+        self.written = dict(self.flag)  # what torchstruct last wrote
+        self.base = dict(self.flag)
+        self.override = {p: 0 for p in self.PARAMS}
+        self.contexts = []  # (serial, kind, model, selected)
+        self.serial = 0
+        self.decl = {"A": None, "B": None, "S": None}
+
+    def _seen(self):
+        base, over = dict(self.base), dict(self.override)
+        for p in self.PARAMS:
+            if self.flag[p] is not self.written[p]:  # someone else wrote it
+                base[p], over[p] = self.flag[p], self.serial
+        return base, over
+
+    def _admitted(self, p):
+        for mod, names in self.decl.items():
+            if names is None:
+                continue
+            if mod != "S" and p not in self.SCOPE[mod]:
+                continue
+            if mod == "S" and p not in ("sw", "sb"):
+                continue
+            if not any(p in self.ADMITS[(mod, n)] for n in names):
+                return False
+        return True
+
+    def effective(self):
+        base, over = self._seen()
+        out = {}
+        for p in self.PARAMS:
+            f = base[p]
+            for serial, kind, model, sel in self.contexts:
+                if serial <= over[p] or p not in self.SCOPE[model]:
+                    continue
+                if kind == "freeze" and p in sel:
+                    f = False
+                elif kind == "freeze_except" and p not in sel:
+                    f = False
+                elif kind == "unfreeze" and p in sel:
+                    f = True
+            out[p] = f and self._admitted(p)
+        return out
+
+    def apply(self, trees=("A", "B")):
+        """Write the flags of the parameters of ``trees`` (an application reads the writes of
+        someone else to those parameters)."""
+        eff = self.effective()
+        base, over = self._seen()
+        for p in set().union(*(self.SCOPE[t] for t in trees)):
+            self.base[p], self.override[p] = base[p], over[p]
+            self.flag[p] = self.written[p] = eff[p]
+
+    def enter(self, kind, model, sel):
+        self.base, self.override = self._seen()  # a write made before the context
+        self.written = dict(self.flag)
+        self.serial += 1
+        self.contexts.append((self.serial, kind, model, self.SELECT[model][sel]))
+        self.apply()
+
+    def exit(self, i):
+        del self.contexts[i]
+        self.apply()
+
+
+def _build():
+    S = nn.Linear(2, 2)
+    A = nn.Sequential(nn.Linear(2, 2), S)
+    B = nn.Sequential(S, nn.Linear(2, 2))
+    ts.attach(A)
+    ts.attach(B)
+    params = dict(zip(Rules.PARAMS, [A[0].weight, A[0].bias, S.weight, S.bias, B[1].weight,
+                                     B[1].bias]))
+    return A, B, S, params
+
+
+_ops = st.one_of(
+    st.tuples(st.just("enter"), st.sampled_from(["freeze", "freeze_except", "unfreeze"]),
+              st.sampled_from(["A", "B"]), st.sampled_from(["0", "1", "*.weight", "bias"])),
+    st.tuples(st.just("exit"), st.integers(0, 7)),
+    st.tuples(st.just("write"), st.sampled_from(Rules.PARAMS), st.booleans()),
+    st.tuples(st.just("module_write"), st.sampled_from(["A", "B", "S"]), st.booleans()),
+    st.tuples(st.just("declare"), st.sampled_from(["A", "B", "S"]), st.integers(0, 2)),
+    st.tuples(st.just("typo"), st.sampled_from(["A", "B"])),
+)
+
+_DECLS = {"A": [None, ("0",), ("1",)], "B": [None, ("0",), ("1",)],
+          "S": [None, ("weight",), ("bias",)]}
+
+
+def run_sequence(ops, check_reads=True):
+    """Run ``ops`` on fresh models and on :class:`Rules`; assert flags (and reads) agree after
+    every step."""
+    A, B, S, params = _build()
+    mods = {"A": A, "B": B, "S": S}
+    rules = Rules()
+    active = []
+    try:
+        for op in ops:
+            what = op[0]
+            if what == "enter":
+                _, kind, model, sel = op
+                if sel == "bias":
+                    sel = "1.bias" if model == "A" else "0.bias"
+                ctx = getattr(ts, kind)(mods[model], sel)
+                active.append(ctx)
+                rules.enter(kind, model, sel)
+            elif what == "exit":
+                if not active:
+                    continue
+                i = op[1] % len(active)
+                active.pop(i).__exit__(None, None, None)
+                rules.exit(i)
+            elif what == "write":
+                params[op[1]].requires_grad_(op[2])
+                rules.flag[op[1]] = op[2]
+            elif what == "module_write":
+                mods[op[1]].requires_grad_(op[2])
+                for name, p in params.items():
+                    if any(p is q for q in mods[op[1]].parameters()):
+                        rules.flag[name] = op[2]
+            elif what == "declare":
+                names = _DECLS[op[1]][op[2]]
+                ts.mark_trainable(mods[op[1]], *(names if names is not None else (None,)))
+                rules.decl[op[1]] = names
+                rules.apply({"A": ("A",), "B": ("B",), "S": ("A", "B")}[op[1]])
+            elif what == "typo":  # refused: nothing changes
+                before = {n: p.requires_grad for n, p in params.items()}
+                with pytest.raises(ValueError):
+                    ts.freeze(mods[op[1]], "1.wieght")
+                assert {n: p.requires_grad for n, p in params.items()} == before
+            got = {n: p.requires_grad for n, p in params.items()}
+            assert got == rules.flag, (op, got, rules.flag)
+            if check_reads:
+                want = rules.effective()
+                for root in (A, B):
+                    for path, p in root.named_parameters():
+                        name = next(n for n, q in params.items() if q is p)
+                        assert ts.is_trainable(root, p) is want[name], (op, path, want)
+    finally:
+        for ctx in reversed(active):
+            ctx.__exit__(None, None, None)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.lists(_ops, max_size=14))
+def test_random_sequences_agree_with_a_brute_force_model_of_the_rules(ops):
+    run_sequence(ops)
