@@ -594,3 +594,102 @@ def test_a_declaration_made_invalid_inside_nested_blocks_restores_then_raises_at
     with pytest.raises(ValueError):
         ts.freeze(m, "a")  # refused: nothing changes
     assert flags(m) == [True, True]
+
+
+# ----------------------------------------------------------------------------- copies, schedules, PEFT
+def test_a_deepcopy_made_inside_a_block_is_plain_pytorch_and_starts_from_its_own_flags():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with ts.freeze(m, "0"):
+        c = copy.deepcopy(m)
+        assert flags(c) == reads(c) == [False, False, True, True]
+        ts.attach(c)  # from its own flags: the original's block is not its own
+        assert flags(c) == reads(c) == [False, False, True, True]
+        with ts.unfreeze(c, "0.weight"):
+            assert flags(c) == [True, False, True, True]
+            assert flags(m) == [False, False, True, True]
+    assert flags(m) == [True] * 4
+    assert flags(c) == reads(c) == [False, False, True, True]
+
+
+def test_unfreeze_schedule_keeps_hand_frozen_parameters_and_refuses_a_stage_without_changes():
+    m = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2), "head": nn.Linear(2, 1)})
+    s = ts.UnfreezeSchedule(m, {0: "head", 1: "b", 2: None})
+    m["head"].bias.requires_grad_(False)  # by hand, against nothing: stands for good
+    s.step()
+    assert flags(m) == reads(m) == [False, False, True, True, True, False]
+    saved = s.state_dict()
+    with ts.freeze(m, "b"):
+        s.step()  # everything: applies on top of the block, leaves it as it is
+        assert flags(m) == reads(m) == [True, True, False, False, True, False]
+    assert flags(m) == reads(m) == [True, True, True, True, True, False]
+    s.load_state_dict(saved)
+    assert s.current_step == 1
+    assert flags(m) == reads(m) == [False, False, True, True, True, False]
+    with pytest.raises(ValueError):
+        s.load_state_dict({"step": -1, "milestones": [0, 1, 2]})
+    assert flags(m) == reads(m) == [False, False, True, True, True, False]
+
+    m = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2), "head": nn.Linear(2, 1)})
+    s = ts.UnfreezeSchedule(m, {0: "head", 1: "b"})
+    del m["b"]  # the next stage's selector now matches nothing
+    m["a"].weight.requires_grad_(True)  # by hand, not yet seen
+    before = flags(m)
+    with pytest.raises(ValueError, match="'b'"):
+        s.step()
+    assert flags(m) == reads(m) == before == [True, False, True, True]
+    assert s.current_step == 0
+
+
+def test_peft_lora_block_with_a_base_weight_unfrozen_by_hand():
+    from peft import LoraConfig, get_peft_model
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=16, vocab_size=32, max_position_embeddings=16)
+    torch.manual_seed(0)
+    pm = get_peft_model(BertModel(cfg), LoraConfig(r=2, target_modules=["query", "value"]))
+    start = flags(pm)
+    query = pm.base_model.model.encoder.layer[0].attention.self.query
+    with ts.freeze_except(pm, "*lora_A*"):
+        assert not query.lora_B["default"].weight.requires_grad
+        query.base_layer.weight.requires_grad_(True)
+        assert flags(pm) == reads(pm)
+        assert ts.summary(pm).counts[0] == sum(p.numel() for p in pm.parameters() if p.requires_grad)
+        pm(input_ids=torch.randint(0, 32, (2, 5))).last_hidden_state.sum().backward()
+        assert query.base_layer.weight.grad is not None
+        assert query.lora_B["default"].weight.grad is None
+    changed = [n for (n, _), a, b in zip(pm.named_parameters(), start, flags(pm)) if a != b]
+    assert changed == ["base_model.model.encoder.layer.0.attention.self.query.base_layer.weight"]
+
+
+# ----------------------------------------------------------------------------- error paths
+def test_refused_calls_after_an_unseen_write_change_no_flag_and_reads_install_nothing():
+    shared = nn.Linear(2, 2)
+    m = nn.Sequential(nn.Linear(2, 2), shared)
+    other = nn.Sequential(shared, nn.Linear(2, 1))  # never attached
+    m.register_parameter("steps", nn.Parameter(torch.zeros(1, dtype=torch.long),
+                                               requires_grad=False))
+    ctx = ts.freeze(m, "0", "1.bias")
+    m[0].weight.requires_grad_(True)  # not yet seen by any application
+    before, read_before = flags(m), reads(m)
+    assert read_before == before == [False, True, False, True, False]
+    refused = [
+        lambda: ts.freeze(m, "0.wieght"),
+        lambda: ts.freeze_except(m, []),
+        lambda: ts.unfreeze(m, nn.Linear(1, 1)),
+        lambda: ts.unfreeze(m, "steps"),  # an integer parameter cannot train
+        lambda: ts.mark_trainable(m, "nope"),
+        lambda: ts.mark_trainable(m, "0", 1),
+        lambda: ts.attach(m, freeze_norm_stats="no"),
+        lambda: ts.is_trainable(m, "2.weight"),
+        lambda: ts.param_groups(m, ("nothing.*", {"lr": 1.0})),
+    ]
+    for call in refused:
+        with pytest.raises((TypeError, ValueError)):
+            call()
+        assert flags(m) == before and reads(m) == read_before
+    assert "_torchstruct_freeze_norm_stats" not in m.__dict__
+    assert reads(other) == flags(other) == [True, False, True, True]
+    assert len(other._forward_pre_hooks) == 0 and ts.hooks._state.state_of(other) is None
+    ctx.__exit__(None, None, None)
+    assert flags(m) == reads(m) == [False, True, True, True, True]
