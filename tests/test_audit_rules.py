@@ -357,6 +357,43 @@ def test_reads_agree_with_flags_when_the_model_whose_declaration_froze_a_shared_
     assert ts.is_trainable(a, "1.weight") is shared.weight.requires_grad
 
 
+def _two_models_sharing_a_layer_the_second_declares_frozen():
+    shared = nn.Linear(2, 2)
+    a = nn.Sequential(nn.Linear(2, 2), shared)
+    b = nn.Sequential(shared, nn.Linear(2, 1))
+    ts.attach(a)
+    ts.mark_trainable(b, "1")  # b does not admit the shared layer
+    return shared, a, b
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a new parameter registered into a layer shared by two attached models, where the second "
+    "model's declaration excludes the layer: the first model's forward makes it trainable "
+    "(b's declaration is not consulted for a parameter b has not applied yet), and "
+    "is_trainable answers True in one model and False in the other for one flag; docs: a "
+    "shared parameter trains only if the declarations of both admit it"))
+def test_a_parameter_added_to_a_shared_layer_follows_both_models_declarations():
+    shared, a, b = _two_models_sharing_a_layer_the_second_declares_frozen()
+    shared.weight = nn.Parameter(torch.randn(2, 2))  # e.g. a re-initialised weight
+    a(torch.randn(1, 2))
+    assert ts.is_trainable(a, "1.weight") is ts.is_trainable(b, "0.weight") is False
+    assert not shared.weight.requires_grad
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "load_state_dict(assign=True) on one model while a layer it shares is frozen by the other "
+    "model's declaration: mark_trainable applied only the other model, so the first model's "
+    "record of the last written flag at that path is stale, the copies are taken as new "
+    "parameters starting frozen, and they stay frozen for good after the declaration is "
+    "lifted; expected the copies to inherit (as they do without the second model)"))
+def test_assign_on_one_model_keeps_a_shared_layer_trainable_after_the_other_lifts_its_declaration():
+    shared, a, b = _two_models_sharing_a_layer_the_second_declares_frozen()
+    a.load_state_dict({k: v.clone() for k, v in a.state_dict().items()}, assign=True)
+    a(torch.randn(1, 2))
+    ts.mark_trainable(b, None)
+    assert flags(a) == reads(a) == [True] * 4
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "a tied parameter whose two paths are in one model trains when any one declaration along "
     "its paths admits it: mark_trainable(head) with no names leaves the tied weight trainable "
