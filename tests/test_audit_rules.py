@@ -38,6 +38,10 @@ class Rules:
     """The documented rules, computed from scratch for two models A and B sharing a submodule S.
 
     Parameters (by name): a0w a0b (A only), sw sb (S: A's "1", B's "0"), b1w b1b (B only).
+    A flag differing from the one torchstruct last wrote is someone else's write: it becomes the
+    starting flag and the contexts entered before it no longer apply to it; it is read at the
+    next application of a tree holding it (every context entry/exit applies both trees, as they
+    share S; mark_trainable applies the trees that contain the declaring module).
     """
 
     PARAMS = ["a0w", "a0b", "sw", "sb", "b1w", "b1b"]
@@ -108,8 +112,8 @@ class Rules:
             self.flag[p] = self.written[p] = eff[p]
 
     def enter(self, kind, model, sel):
-        self.base, self.override = self._seen()  # a write made before the context
-        self.written = dict(self.flag)
+        self.base, self.override = self._seen()  # a write made before the context: read
+        self.written = dict(self.flag)  # now, so that the new context applies on top of it
         self.serial += 1
         self.contexts.append((self.serial, kind, model, self.SELECT[model][sel]))
         self.apply()
