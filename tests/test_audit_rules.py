@@ -370,12 +370,6 @@ def _two_models_sharing_a_layer_the_second_declares_frozen():
     return shared, a, b
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a new parameter registered into a layer shared by two attached models, where the second "
-    "model's declaration excludes the layer: the first model's forward makes it trainable "
-    "(b's declaration is not consulted for a parameter b has not applied yet), and "
-    "is_trainable answers True in one model and False in the other for one flag; docs: a "
-    "shared parameter trains only if the declarations of both admit it"))
 def test_a_parameter_added_to_a_shared_layer_follows_both_models_declarations():
     shared, a, b = _two_models_sharing_a_layer_the_second_declares_frozen()
     shared.weight = nn.Parameter(torch.randn(2, 2))  # e.g. a re-initialised weight
@@ -777,11 +771,6 @@ def test_unfreeze_schedule_keeps_hand_frozen_parameters_and_refuses_a_stage_with
     assert s.current_step == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a milestone reached inside a block entered after the schedule: the new stage is pushed "
-    "as the innermost context, so the schedule's freeze_except now wins over the user's "
-    "`with ts.unfreeze(m, '0')` (the layer is frozen inside the block that unfreezes it); "
-    "docs: contexts nest, the inner one wins, and contexts compose with the schedule"))
 def test_a_schedule_step_inside_a_later_unfreeze_block_does_not_override_the_block():
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1))
     s = ts.UnfreezeSchedule(m, {0: "2", 1: "1"})

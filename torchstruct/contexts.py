@@ -114,6 +114,16 @@ class Entry:
                 flags[i] = True
 
 
+def _swapped(entries: list, olds: list, news: list) -> list:
+    """``entries`` with ``olds`` replaced by ``news`` where the first of ``olds`` stood (contexts
+    entered since stay inner to it), or ``news`` last when there is no old one."""
+    if not olds or olds[0] not in entries:
+        return [e for e in entries if e not in olds] + news
+    at = entries.index(olds[0])
+    return [e for e in entries[:at] if e not in olds] + news + [
+        e for e in entries[at:] if e not in olds]
+
+
 def _drop_dead() -> None:
     """Forget the contexts of models that no longer exist (under the lock, at every push and
     pop; until then a dead scope's entry folds nothing)."""
@@ -193,7 +203,7 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
             scope = entry.scope()
             entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
             entry.serial = _state.next_serial()
-        _state.entries[:] = [e for e in saved if e not in olds] + news
+        _state.entries[:] = _swapped(saved, olds, news)
         try:
             _apply_around(anchor)
         except BaseException:

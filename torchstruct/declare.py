@@ -225,21 +225,24 @@ def effective(
             entry.fold(flags, starts, root, idx)
     admitted = _admitted(root, lenient)
     for other, shared in _sharing(root, idx):  # one flag: every model holding it must admit it
-        shared &= {id(p) for p in other.parameters()}  # still there (a del registers nothing)
         admitted -= shared - _admitted(other, lenient)
     return idx, starts, {i: f and i in admitted for i, f in flags.items()}
 
 
 def _sharing(root: nn.Module, idx: ParamIndex) -> list[tuple[nn.Module, set[int]]]:
-    """``(other root, ids of root's parameters it held)`` for every other attached model that
-    held some of ``root``'s parameters at its last application."""
-    mine = {id(p): p for p in idx.params}
+    """``(other root, ids of root's parameters in its tree)`` for every other attached model
+    that shares a module with ``root``'s tree (as of its last application)."""
+    mine = {id(p) for p in idx.params}
+    modules = None
     out = []
     for st in _state.live_states():
         other = st.root()
         if other is None or other is root:
             continue
-        shared = {i for i, ref in st.members.items() if i in mine and ref() is mine[i]}
+        modules = modules if modules is not None else {id(m) for m in idx.module_objects}
+        if modules.isdisjoint(st.module_ids):
+            continue
+        shared = mine.intersection(id(p) for p in other.parameters())
         if shared:
             out.append((other, shared))
     return out
