@@ -489,11 +489,6 @@ def _bn_net(momentum=0.1):
     return nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, momentum=momentum), nn.Linear(3, 1))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a BatchNorm held by a block keeps being held after the user turns its parameters back on "
-    "by hand inside the block (a write that stands and that reads report as trainable): it "
-    "normalizes in eval mode and never updates its statistics while its weight and bias train; "
-    "docs: statistics are held only while all its parameters are frozen"))
 def test_a_batchnorm_unfrozen_by_hand_inside_the_block_updates_its_statistics():
     net = _bn_net()
     plain = copy.deepcopy(net)
@@ -632,11 +627,6 @@ def _tiny_gpt2():
     return GPT2LMHeadModel(cfg)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "re-tying weights inside a block (GPT-2's tie_weights(), or any re-assignment of the same "
-    "Parameter) adds no module or parameter, yet leaving the block raises RestoredFlagsWarning "
-    "naming every parameter the block itself froze: a spurious warning (docs: it is for "
-    "modules or parameters added inside the block)"))
 def test_tie_weights_inside_a_block_gives_no_restored_flags_warning():
     g = _tiny_gpt2()
     with warnings.catch_warnings(record=True) as caught:
@@ -680,11 +670,6 @@ def test_gpt2_tied_head_frozen_through_either_path_with_gradient_checkpointing()
     assert all(flags(g))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a trainable() that raises AttributeError once a child it reads is deleted inside a block: "
-    "leaving the block raises before writing any flag, so the block's freezing stays "
-    "(flags frozen for good); docs: a declaration made invalid inside a block restores the "
-    "block's flags first, then raises"))
 def test_a_declaration_broken_by_an_attribute_error_inside_a_block_restores_then_raises():
     class Net(nn.Module):
         def __init__(self):

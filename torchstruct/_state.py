@@ -126,9 +126,12 @@ def any_dirty() -> bool:
     return any(st.dirty and st.root() is not None for st in states.values())
 
 
-def _on_registered(module: nn.Module, _name: str, _value) -> None:
+def _on_registered(module: nn.Module, name: str, value) -> None:
     """A parameter or module was registered into ``module``: only trees holding it changed."""
     global pending
+    if value is not None and (module._parameters.get(name) is value
+                              or module._modules.get(name) is value):
+        return  # the same object registered again (tie_weights): nothing changed
     key = id(module)
     for st in list(states.values()):
         if key in st.module_ids:

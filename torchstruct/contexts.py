@@ -144,7 +144,7 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
     for st in [governing, *others]:
         try:
             changes += st.apply(refuse)
-        except (TypeError, ValueError) as err:  # restoring: every tree first, then raise
+        except Exception as err:  # noqa: BLE001 - restoring: every tree first, then raise
             if refuse:
                 raise
             errors.append(err)

@@ -84,31 +84,32 @@ def declared(module: nn.Module) -> frozenset[str] | None:
     return _check_names(module, method(module), f"{type(module).__name__}.trainable()")
 
 
-def _still_named(module: nn.Module) -> frozenset[str]:
+def _still_named(module: nn.Module) -> frozenset[str] | None:
     """What a declaration that :func:`declared` refuses still names (the names that exist);
-    nothing when it cannot be read at all."""
+    None (no declaration) when it cannot be read at all."""
     own = set(_own_names(module))
     mark = module.__dict__.get(_MARK)
     try:
         names = mark if mark is not None else type(module).trainable(module)
         if isinstance(names, (str, bytes)):
-            return frozenset()
+            return None
         return frozenset(n for n in names if isinstance(n, str) and n in own)
-    except Exception:  # noqa: BLE001 - a broken trainable(): admit nothing below it
-        return frozenset()
+    except Exception:  # noqa: BLE001 - a trainable() failing in its own code
+        return None
 
 
 def _admitted(root: nn.Module, lenient: bool = False) -> set[int]:
     """Ids of the parameters that every declaration along some path of theirs admits.
 
-    With ``lenient``, a declaration that became invalid admits what it still names, instead
-    of raising (used to restore flags when a context exits; the error is raised after)."""
+    With ``lenient``, a declaration that became invalid admits what it still names, and one
+    that cannot be read at all counts as absent, instead of raising (used to restore flags
+    when a context exits; the error is raised after)."""
     out: set[int] = set()
 
     def walk(mod: nn.Module) -> None:
         try:
             names = declared(mod)
-        except (TypeError, ValueError):
+        except Exception:  # noqa: BLE001 - also a trainable() that fails in its own code
             if not lenient:
                 raise
             names = _still_named(mod)

@@ -62,9 +62,10 @@ class State:
             ``(path, parameter, new flag)`` of every flag that changed.
 
         Raises:
-            ValueError, TypeError: an invalid declaration. With ``refuse=False`` (a context
-                exits and must restore) the flags are written first, an invalid declaration
-                admitting what it still names.
+            Exception: an invalid declaration (or a ``trainable()`` that raises). With
+                ``refuse=False`` (a context exits and must restore) the flags are written
+                first, such a declaration admitting the names it still has (none when it
+                cannot be read).
         """
         root = self.root()
         if root is None:
@@ -73,7 +74,7 @@ class State:
             error = None
             try:
                 idx, starts, flags = effective(root, self.last)
-            except (TypeError, ValueError) as err:  # an invalid declaration
+            except Exception as err:  # noqa: BLE001 - an invalid or failing declaration
                 if refuse:
                     raise
                 error = err  # restoring (a context exits): write what can be, then raise
@@ -292,12 +293,15 @@ _module_mod.register_module_module_registration_hook(_on_module_registered)
 
 
 def _held(module: nn.Module) -> bool:
-    """Whether a live state holds ``module``'s statistics now. Not while the layer was switched
-    to a cumulative average since the hold began (``momentum=None``: what
+    """Whether a live state holds ``module``'s statistics now. Not while one of its parameters
+    requires grad (unfrozen by hand since the last application), nor while the layer was
+    switched to a cumulative average since the hold began (``momentum=None``: what
     ``torch.optim.swa_utils.update_bn`` does to recompute the statistics on purpose)."""
     hit = _state.frozen_norms.get(id(module))
     if hit is None or hit[0]() is not module:
         return False
+    if any(p is not None and p.requires_grad for p in module._parameters.values()):
+        return False  # unfrozen since the last application (a write by hand): plain
     return not (module.momentum is None and hit[1] is not None)
 
 
