@@ -589,10 +589,6 @@ def test_weight_norm_inside_a_block_names_its_new_frozen_parameters_at_the_users
     assert flags(m) == reads(m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "with a context used as a decorator, RestoredFlagsWarning points at torchstruct/contexts.py "
-    "(the decorator's wrapper) instead of the user's code, so filters by module and the "
-    "printed location miss; expected the user's file, as for a `with` block"))
 def test_restored_flags_warning_of_a_decorated_function_points_at_the_users_code():
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
 
@@ -636,12 +632,6 @@ def test_tie_weights_inside_a_block_gives_no_restored_flags_warning():
     assert restored_warnings(caught) == []
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "load_state_dict(assign=True) inside a block on a model with parameters frozen by hand "
-    "before the block: the copies keep their (frozen) flag as they should, but "
-    "RestoredFlagsWarning names them as 'created inside the block ... stay frozen' and advises "
-    "unfreezing them (wrong advice, e.g. for PEFT's frozen base model); docs: copies put in "
-    "place of a parameter inherit, only new parameters are named"))
 def test_assign_copies_of_hand_frozen_parameters_are_not_named_as_created_in_the_block():
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     m[0].requires_grad_(False)  # the user's own choice, before any block

@@ -52,7 +52,9 @@ class Entry:
     # weakref to a parameter -> whether the selectors pick it. Keyed by the reference, not the
     # id: a dead parameter's key never equals a live one's that reuses its id.
     decided: dict = field(default_factory=dict)
-    present: dict = field(default_factory=dict)  # the tree's parameters when entered (id -> ref)
+    # the governing state's members and last application when entered (see hooks.State)
+    present: dict = field(default_factory=dict)
+    present_paths: dict = field(default_factory=dict)
 
     def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False
                ) -> None:
@@ -168,7 +170,7 @@ def push(entry: Entry) -> None:
             _apply_around(entry, refuse=False)
             raise
         _state.applied_through = entry.serial
-        entry.present = hooks.state_for(scope).members if scope is not None else {}
+        _remember_present(entry)
 
 
 def pop(entry: Entry) -> None:
@@ -212,12 +214,20 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
             raise
         _state.applied_through = max([_state.applied_through] + [e.serial for e in news])
         for entry in news:
-            scope = entry.scope()
-            entry.present = hooks.state_for(scope).members if scope is not None else {}
+            _remember_present(entry)
     if old is not None:
         old._active = False
     if new is not None:
         new._active = True
+
+
+def _remember_present(entry: Entry) -> None:
+    """What the entry's tree held when it was entered (references, no copies: an application
+    replaces these dictionaries, never changes them)."""
+    scope = entry.scope()
+    if scope is not None:
+        st = hooks.state_for(scope)
+        entry.present, entry.present_paths = st.members, st.last
 
 
 def _born_frozen(entry: Entry) -> list[str]:
@@ -234,7 +244,10 @@ def _born_frozen(entry: Entry) -> list[str]:
         if p is None or id(p) not in inside or base or flag:
             continue
         was = entry.present.get(id(p))
-        if was is None or was() is not p:
+        if was is not None and was() is p:
+            continue
+        before = entry.present_paths.get(path)
+        if before is None or before[0]:  # new, not a copy of a parameter frozen before
             out.append(path)
     return out
 
@@ -272,8 +285,17 @@ def _warn_undone(entry: Entry, turned_on: list[str], born: list[str]) -> None:
             f"leaving ts.{entry.kind}: modules or parameters were added to the model inside the "
             "block, and " + " Also, ".join(said),
             RestoredFlagsWarning,
-            stacklevel=5,
+            stacklevel=_outside_level(),
         )
+
+
+def _outside_level() -> int:
+    """The ``stacklevel`` (for a ``warnings.warn`` in the caller) of the first frame outside
+    torchstruct: the user's ``with`` line, or the call of a decorated function."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("torchstruct"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class RestoredFlagsWarning(UserWarning):
