@@ -232,8 +232,8 @@ def effective(
 
 def _sharing(root: nn.Module, idx: ParamIndex) -> list[tuple[nn.Module, set[int]]]:
     """``(other root, ids of root's parameters in its tree)`` for every other attached model
-    that shares a module with ``root``'s tree (as of its last application)."""
-    mine = {id(p) for p in idx.params}
+    that shared a module or a parameter with ``root``'s tree at its last application."""
+    mine = {id(p): p for p in idx.params}
     modules = None
     out = []
     for st in _state.live_states():
@@ -241,9 +241,11 @@ def _sharing(root: nn.Module, idx: ParamIndex) -> list[tuple[nn.Module, set[int]
         if other is None or other is root:
             continue
         modules = modules if modules is not None else {id(m) for m in idx.module_objects}
-        if modules.isdisjoint(st.module_ids):
+        if modules.isdisjoint(st.module_ids) and not any(
+            i in mine and ref() is mine[i] for i, ref in st.members.items()
+        ):
             continue
-        shared = mine.intersection(id(p) for p in other.parameters())
+        shared = set(mine).intersection(id(p) for p in other.parameters())
         if shared:
             out.append((other, shared))
     return out
