@@ -897,9 +897,10 @@ def test_random_stacks_of_contexts_match_a_brute_force_fold():
     declarations), and the reads agree with them.
 
     The documented rule for writes by others: at the next application, a flag that differs
-    from the one torchstruct last wrote is the new starting flag, and the contexts active when
-    it was written no longer apply to it (the write stands; contexts entered later apply on
-    top); a flag equal to it (also after several writes that cancel out) is not seen."""
+    from the one torchstruct last wrote is the new starting flag, and the contexts active and
+    declarations made when it was written no longer apply to it (the write stands; contexts
+    entered and declarations made later apply on top); a flag equal to it (also after several
+    writes that cancel out) is not seen."""
     import random
 
     rng = random.Random(0)
@@ -915,8 +916,9 @@ def test_random_stacks_of_contexts_match_a_brute_force_fold():
         ts.attach(m)
         written = dict(start)
         active = []  # (kind, selected paths, ctx, serial)
-        serial = 0  # of the newest context entered
+        serial = 0  # of the newest context entered or declaration made
         over = {p: 0 for p in paths}  # contexts up to this serial do not apply to p
+        made = {}  # id(module) -> serial of its declaration
         for _ in range(14):
             r = rng.random()
             if r < 0.2:  # the user writes a flag (seen, or not, at the next application)
@@ -931,6 +933,8 @@ def test_random_stacks_of_contexts_match_a_brute_force_fold():
                 target, names = rng.choice([(m[0], ["weight", "bias"]), (m[1], ["0", "1"]),
                                             (m, ["0", "1", "2"])])
                 pick = [n for n in names if rng.random() < 0.5]
+                serial += 1
+                made[id(target)] = serial
                 ts.mark_trainable(target, *(pick if rng.random() < 0.7 else [None]))
             elif r < 0.6 or not active:
                 kind = rng.choice(["freeze", "freeze_except", "unfreeze"])
@@ -952,11 +956,11 @@ def test_random_stacks_of_contexts_match_a_brute_force_fold():
                         want[p] = False
                     elif kind == "unfreeze" and p in chosen:
                         want[p] = True
-            for p in paths:  # every declaration along the path admits it
+            for p in paths:  # every declaration along the path made after a write admits it
                 mod = m
                 for name in p.split("."):
                     names = _declared(mod)
-                    if names is not None and name not in names:
+                    if names is not None and name not in names and made[id(mod)] > over[p]:
                         want[p] = False
                     mod = getattr(mod, name, None) if isinstance(mod, nn.Module) else None
             assert {p: params[p].requires_grad for p in paths} == want

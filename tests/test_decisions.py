@@ -2,8 +2,9 @@
 
 - A context decides once per parameter whether its selectors pick it (docs/freezing.md, "A
   context decides once per parameter").
-- A flag written by someone else inside a block wins over the contexts active when it was
-  written; contexts entered later apply on top (docs/freezing.md, "A write by someone else").
+- A flag written by someone else wins over the contexts active and the declarations made
+  when it was written; those entered or made later apply on top (docs/freezing.md, "A write
+  by someone else").
 """
 import gc
 import random
@@ -73,11 +74,14 @@ def test_a_write_against_a_permanent_context_wins():
     assert m[2].weight.requires_grad
 
 
-def test_a_declaration_still_gates_a_written_flag():
+def test_a_write_wins_over_an_older_declaration_and_a_newer_one_applies_on_top():
     m = net()
     ts.mark_trainable(m, "0", "1")
-    m[2].weight.requires_grad_(True)  # against a declaration: the next application undoes it
+    m[2].weight.requires_grad_(True)  # after the declaration: it stands
+    assert reads(m) == flags(m)
     ts.attach(m)
+    assert m[2].weight.requires_grad and not m[2].bias.requires_grad and reads(m) == flags(m)
+    ts.mark_trainable(m, "0", "1")  # made after the write: applies on top
     assert not m[2].weight.requires_grad and reads(m) == flags(m)
 
 

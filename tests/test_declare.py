@@ -369,18 +369,41 @@ def test_manual_requires_grad_sets_new_starting_flag():
         assert flags(m)["head.bias"] is True
 
 
-def test_manual_requires_grad_on_declared_frozen_parameter_is_overridden_by_declaration():
+def test_manual_requires_grad_on_a_declared_frozen_parameter_wins_until_a_newer_declaration():
     m = Net()
     ts.mark_trainable(m, "head")
-    m.encoder[0].weight.requires_grad_(True)  # declarations still apply on top
-    assert ts.is_trainable(m, "encoder.0.weight") is False
-    assert m.encoder[0].weight.requires_grad is True  # a read writes nothing
-    m(torch.randn(1, 4))  # an entry point that writes: (not the hook: the tree did not change)
+    m.encoder[0].weight.requires_grad_(True)  # written after the declaration: it stands
+    assert ts.is_trainable(m, "encoder.0.weight") is True  # reads agree with the flag at once
+    m(torch.randn(1, 4))
     ts.attach(m)
+    assert m.encoder[0].weight.requires_grad is True
+    assert not m.encoder[0].bias.requires_grad  # only what was written
+    ts.mark_trainable(m, "head")  # a declaration made after the write applies on top
     assert m.encoder[0].weight.requires_grad is False
-    # the manual True is its new starting flag: lifting the declaration keeps it on
+    assert ts.is_trainable(m, "encoder.0.weight") is False
+    # the manual True is its starting flag: lifting the declaration keeps it on
     ts.mark_trainable(m, None)
     assert m.encoder[0].weight.requires_grad is True
+
+
+def test_manual_requires_grad_against_a_class_declaration_stands():
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+
+        def trainable(self):
+            return ["b"]
+
+    m = Frozen()
+    ts.attach(m)
+    assert not m.a.weight.requires_grad
+    m.a.weight.requires_grad_(True)  # the user's explicit choice, after the class's rule
+    m.register_module("c", nn.Linear(2, 2))  # a registration: the hook applies again
+    ts.attach(m)
+    assert m.a.weight.requires_grad and ts.is_trainable(m, "a.weight")
+    assert not m.a.bias.requires_grad and not m.c.weight.requires_grad
 
 
 def test_manual_requires_grad_inside_context_is_kept_after_exit():

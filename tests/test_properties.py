@@ -128,10 +128,11 @@ class Reference:
     def __init__(self, root):
         self.root = root
         self.base = {id(p): p.requires_grad for p in root.parameters()}
-        self.marks = {}  # id(module) -> frozenset, from mark_trainable
+        self.marks = {}  # id(module) -> (frozenset, serial), from mark_trainable
         self.stack = []  # active contexts: (kind, scope, selectors, serial), creation order
-        self.serial = 0  # of the newest context entered
-        self.over = {}  # id(p) -> contexts up to this serial no longer apply (a write by hand)
+        self.serial = 0  # of the newest context entered or declaration made
+        # id(p) -> contexts and declarations up to this serial no longer apply (a write by hand)
+        self.over = {}
 
     def push(self, kind, scope, sels):
         self.serial += 1
@@ -147,18 +148,26 @@ class Reference:
         return out
 
     # declarations
+    def mark(self, mod, names):
+        self.serial += 1
+        if names is None:
+            self.marks.pop(id(mod), None)
+        else:
+            self.marks[id(mod)] = (frozenset(names), self.serial)
+
     def declared(self, mod):
+        """``(names, serial)``; a class's method is older (0) than anything made since."""
         if id(mod) in self.marks:
             return self.marks[id(mod)]
         if isinstance(mod, Custom):
-            return frozenset(mod.declared_names)
-        return None
+            return frozenset(mod.declared_names), 0
+        return None, 0
 
-    def admitted(self, path):
+    def admitted(self, path, over=-1):
         mod = self.root
         for name in path.split("."):
-            names = self.declared(mod)
-            if names is not None and name not in names:
+            names, serial = self.declared(mod)
+            if names is not None and name not in names and serial > over:
                 return False
             mod = mod._modules[name] if name in mod._modules else None
         return True
@@ -199,7 +208,7 @@ class Reference:
             inside = {id(p) for p in scope.parameters()}
             chosen = self.selected(scope, sels)
             for i in inside:
-                if self.over.get(i, 0) >= serial:  # written by hand after it applied
+                if self.over.get(i, -1) >= serial:  # written by hand after it applied
                     continue
                 if kind == "freeze" and i in chosen:
                     flags[i] = False
@@ -209,7 +218,7 @@ class Reference:
                     flags[i] = True
         ok = {}
         for path, p in self.root.named_parameters(remove_duplicate=False):
-            ok[id(p)] = ok.get(id(p), False) or self.admitted(path)
+            ok[id(p)] = ok.get(id(p), False) or self.admitted(path, self.over.get(id(p), -1))
         return {i: flags[i] and ok[i] for i in flags}
 
     def check(self, where, query=True):
@@ -275,11 +284,11 @@ def draw_mark(data, ref):
     own = list(mod._parameters) + list(mod._modules)
     if data.draw(st.booleans(), label="remove") or not own:
         ts.mark_trainable(mod, None)
-        ref.marks.pop(id(mod), None)
+        ref.mark(mod, None)
     else:
         names = data.draw(st.lists(st.sampled_from(own), unique=True), label="names")
         ts.mark_trainable(mod, *names)
-        ref.marks[id(mod)] = frozenset(names)
+        ref.mark(mod, names)
 
 
 def run_program(data, ref, depth, sub_scopes, attached=True):

@@ -8,11 +8,12 @@ Everything torchstruct remembers between calls lives here, and nowhere else:
   carries nothing of ours and behaves as plain PyTorch.
 - ``states``: the attached models (roots), keyed by ``id``; each :class:`~torchstruct.hooks.State`
   holds its root weakly.
-- ``entries``: the active contexts of every model, outermost (oldest) first. Each context gets
-  a serial when it is pushed; ``applied_through`` is the newest serial whose flags were written.
-  A flag found different from the one torchstruct last wrote was written by someone else after
-  every context up to ``applied_through`` applied, so those contexts no longer apply to it: the
-  write stands until they exit (later contexts still apply on top of it).
+- ``entries``: the active contexts of every model, outermost (oldest) first. Each context (and
+  each ``mark_trainable`` declaration) gets a serial when it is made; ``applied_through`` is the
+  newest serial whose flags were written. A flag found different from the one torchstruct last
+  wrote was written by someone else after every context and declaration up to
+  ``applied_through`` applied, so those no longer apply to it: the write stands until they are
+  lifted (later ones still apply on top of it).
 - ``frozen_norms``: the normalization layers whose running statistics are held right now.
 - ``flag_guards``: callbacks consulted before flags change (``torchstruct.distributed``).
 
@@ -44,12 +45,15 @@ states: dict = {}
 
 # every active context (torchstruct.contexts.Entry), outermost first
 entries: list = []
-_serials = itertools.count(1)
-applied_through = 0  # every context with a serial up to this one has had its flags written
+# Contexts and mark_trainable declarations get serials from one counter; a class's
+# trainable() method counts as made at DECLARED_BY_CLASS, before anything else.
+DECLARED_BY_CLASS = 1
+_serials = itertools.count(DECLARED_BY_CLASS + 1)
+applied_through = DECLARED_BY_CLASS  # every serial up to this one has had its flags written
 
 
 def next_serial() -> int:
-    """A serial for a context being pushed (under the lock)."""
+    """A serial for a context being pushed or a declaration being made (under the lock)."""
     return next(_serials)
 
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began): layers whose

@@ -8,8 +8,14 @@ A parameter's **effective trainability** is decided in three steps:
    wins: ``freeze`` turns the selected off, ``freeze_except`` turns everything else off,
    ``unfreeze`` turns the selected on;
 3. the declarations: every module on the parameter's path that declares what trains (a
-   ``trainable()`` method, or :func:`mark_trainable`) must list the next name on the path.
-   A declaration only ever turns a flag off; no context can override it.
+   ``trainable()`` method, or :func:`mark_trainable`) must list the next name on the path
+   (a tied parameter needs one such path; a parameter shared by two attached models, one in
+   each). A declaration only ever turns a flag off; no context can override it.
+
+A flag someone else wrote (it differs from the one torchstruct last wrote) stands against the
+contexts active and the declarations made when it was written: they skip that parameter, and
+only those entered or made later apply to it. Contexts and ``mark_trainable`` declarations get
+serials from one counter (:mod:`torchstruct._state`) to tell which came later.
 
 :func:`effective` computes this from the model as it is now; it writes nothing and installs
 nothing, so the read-only calls (:func:`trainable_parameters`, :func:`is_trainable`,
@@ -34,7 +40,7 @@ __all__ = [
     "effective",
 ]
 
-_MARK = "_torchstruct_trainable"  # attribute on a module: names from mark_trainable
+_MARK = "_torchstruct_trainable"  # attribute on a module: (names, serial) from mark_trainable
 
 
 # ----------------------------------------------------------------------------- declarations
@@ -62,12 +68,30 @@ def _check_names(module: nn.Module, names, what: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def _mark(module: nn.Module) -> tuple[frozenset[str] | None, int]:
+    """``(names, serial)`` of a :func:`mark_trainable` declaration on ``module`` (None, 0 when
+    there is none)."""
+    mark = module.__dict__.get(_MARK)
+    if mark is None:
+        return None, 0
+    if isinstance(mark, frozenset):  # stored without a serial: as old as a class's method
+        return mark, _state.DECLARED_BY_CLASS
+    return mark
+
+
+def serial_of(module: nn.Module) -> int:
+    """When ``module``'s declaration was made, as a serial comparable with the contexts': a
+    ``trainable()`` method counts as older than anything torchstruct has seen."""
+    names, serial = _mark(module)
+    return serial if names is not None else _state.DECLARED_BY_CLASS
+
+
 def declared(module: nn.Module) -> frozenset[str] | None:
     """The names ``module`` declares trainable, or None when it declares nothing.
 
     :func:`mark_trainable` on the instance takes precedence over a ``trainable()`` method.
     """
-    mark = module.__dict__.get(_MARK)
+    mark = _mark(module)[0]
     if mark is not None:
         gone = mark.difference(_own_names(module))
         if gone:  # renamed since (a parametrization, pruning): never freeze it silently
@@ -88,7 +112,7 @@ def _still_named(module: nn.Module) -> frozenset[str] | None:
     """What a declaration that :func:`declared` refuses still names (the names that exist);
     None (no declaration) when it cannot be read at all."""
     own = set(_own_names(module))
-    mark = module.__dict__.get(_MARK)
+    mark = _mark(module)[0]
     try:
         names = mark if mark is not None else type(module).trainable(module)
         if isinstance(names, (str, bytes)):
@@ -98,29 +122,33 @@ def _still_named(module: nn.Module) -> frozenset[str] | None:
         return None
 
 
-def _admitted(root: nn.Module, lenient: bool = False) -> set[int]:
-    """Ids of the parameters that every declaration along some path of theirs admits.
+def _blocked(root: nn.Module, lenient: bool = False) -> dict[int, int]:
+    """Per parameter id, how recently declarations exclude it: along each of its paths the
+    serial (:func:`serial_of`) of the newest declaration that does not admit it, 0 when none;
+    the smallest over its paths (a tied parameter needs one admitting path).
 
     With ``lenient``, a declaration that became invalid admits what it still names, and one
     that cannot be read at all counts as absent, instead of raising (used to restore flags
     when a context exits; the error is raised after)."""
-    out: set[int] = set()
+    out: dict[int, int] = {}
 
-    def walk(mod: nn.Module) -> None:
+    def walk(mod: nn.Module, above: int) -> None:
         try:
             names = declared(mod)
         except Exception:  # noqa: BLE001 - also a trainable() that fails in its own code
             if not lenient:
                 raise
             names = _still_named(mod)
+        serial = serial_of(mod) if names is not None else 0
         for name, p in mod._parameters.items():
-            if p is not None and (names is None or name in names):
-                out.add(id(p))
+            if p is not None:
+                s = above if names is None or name in names else max(above, serial)
+                out[id(p)] = min(out.get(id(p), s), s)
         for name, child in mod._modules.items():
-            if child is not None and (names is None or name in names):
-                walk(child)
+            if child is not None:
+                walk(child, above if names is None or name in names else max(above, serial))
 
-    walk(root)
+    walk(root, 0)
     return out
 
 
@@ -158,17 +186,19 @@ def mark_trainable(module: nn.Module, *names: str | None) -> nn.Module:
     mark = None if names == (None,) else _check_names(module, names, "mark_trainable")
     with _state.LOCK:
         before = module.__dict__.get(_MARK)
-        _set_mark(module, mark)
+        serial = _state.next_serial()
+        _set_mark(module, None if mark is None else (mark, serial))
         try:
             hooks.apply_containing(module)
         except BaseException:  # refused (a flag guard): the previous declaration stands
             _set_mark(module, before)
             hooks.apply_containing(module, refuse=False)
             raise
+        _state.applied_through = max(_state.applied_through, serial)
     return module
 
 
-def _set_mark(module: nn.Module, mark: frozenset[str] | None) -> None:
+def _set_mark(module: nn.Module, mark) -> None:
     if mark is None:
         module.__dict__.pop(_MARK, None)
     else:
@@ -224,10 +254,13 @@ def effective(
         flags = {i: s[0] for i, s in starts.items()}
         for entry in _state.entries:
             entry.fold(flags, starts, root, idx)
-    admitted = _admitted(root, lenient)
+    blocked = _blocked(root, lenient)
     for other, shared in _sharing(root, idx):  # one flag: every model holding it must admit it
-        admitted -= shared - _admitted(other, lenient)
-    return idx, starts, {i: f and i in admitted for i, f in flags.items()}
+        theirs = _blocked(other, lenient)
+        for i in shared:
+            blocked[i] = max(blocked.get(i, 0), theirs.get(i, 0))
+    # a declaration excludes a parameter unless someone wrote its flag after it was made
+    return idx, starts, {i: f and blocked.get(i, 0) <= starts[i][1] for i, f in flags.items()}
 
 
 def _sharing(root: nn.Module, idx: ParamIndex) -> list[tuple[nn.Module, set[int]]]:
