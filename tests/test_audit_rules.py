@@ -382,12 +382,6 @@ def test_a_parameter_added_to_a_shared_layer_follows_both_models_declarations():
     assert not shared.weight.requires_grad
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "load_state_dict(assign=True) on one model while a layer it shares is frozen by the other "
-    "model's declaration: mark_trainable applied only the other model, so the first model's "
-    "record of the last written flag at that path is stale, the copies are taken as new "
-    "parameters starting frozen, and they stay frozen for good after the declaration is "
-    "lifted; expected the copies to inherit (as they do without the second model)"))
 def test_assign_on_one_model_keeps_a_shared_layer_trainable_after_the_other_lifts_its_declaration():
     shared, a, b = _two_models_sharing_a_layer_the_second_declares_frozen()
     a.load_state_dict({k: v.clone() for k, v in a.state_dict().items()}, assign=True)

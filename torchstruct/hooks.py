@@ -398,11 +398,18 @@ def apply_pending(module: nn.Module) -> None:
 
 
 def apply_containing(module: nn.Module, refuse: bool = True) -> None:
-    """Apply every state whose tree contains ``module`` (attaching ``module`` if none does)."""
+    """Apply every state whose tree contains ``module`` (attaching ``module`` if none does),
+    and the other attached models sharing parameters with those (one flag, written once for
+    all of them)."""
     with _state.LOCK:
         found = [st for st in _state.live_states() if _contains(st.root(), module)]
-        for st in found or [state_for(module)]:
+        found = found or [state_for(module)]
+        for st in found:
             st.apply(refuse)
+        mine = set().union(*(st.live_members() for st in found))
+        for st in _state.live_states():
+            if st not in found and not st.live_members().isdisjoint(mine):
+                st.apply(refuse)
 
 
 # ----------------------------------------------------------------------------- public
