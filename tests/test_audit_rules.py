@@ -331,12 +331,17 @@ def test_param_groups_and_ts_optim_step_a_parameter_unfrozen_by_hand_inside_a_bl
 
 
 # ----------------------------------------------------------------------------- shared parameters
-def test_a_shared_parameter_trains_only_if_both_models_declarations_admit_it():
+def _two_models_sharing_a_layer_the_second_declares_frozen():
     shared = nn.Linear(2, 2)
     a = nn.Sequential(nn.Linear(2, 2), shared)
     b = nn.Sequential(shared, nn.Linear(2, 1))
     ts.attach(a)
     ts.mark_trainable(b, "1")  # b does not admit the shared layer
+    return shared, a, b
+
+
+def test_a_shared_parameter_trains_only_if_both_models_declarations_admit_it():
+    shared, a, b = _two_models_sharing_a_layer_the_second_declares_frozen()
     assert flags(a) == reads(a) == [True, True, False, False]
     with ts.unfreeze(a):  # no context overrides a declaration, also another model's
         assert flags(a) == reads(a) == [True, True, False, False]
@@ -363,15 +368,6 @@ def test_reads_agree_with_flags_when_the_model_whose_declaration_froze_a_shared_
     del b
     gc.collect()
     assert ts.is_trainable(a, "1.weight") is shared.weight.requires_grad
-
-
-def _two_models_sharing_a_layer_the_second_declares_frozen():
-    shared = nn.Linear(2, 2)
-    a = nn.Sequential(nn.Linear(2, 2), shared)
-    b = nn.Sequential(shared, nn.Linear(2, 1))
-    ts.attach(a)
-    ts.mark_trainable(b, "1")  # b does not admit the shared layer
-    return shared, a, b
 
 
 def test_a_parameter_added_to_a_shared_layer_follows_both_models_declarations():
