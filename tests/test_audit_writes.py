@@ -43,6 +43,18 @@ def x3():
     return torch.randn(4, 3)
 
 
+def counting_aot_eager(graphs):
+    from torch._dynamo.backends.registry import lookup_backend
+
+    aot = lookup_backend("aot_eager")
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot(gm, example_inputs)
+
+    return backend
+
+
 def counting_backend(graphs):
     def backend(gm, _example_inputs):
         graphs.append(gm)
@@ -272,8 +284,9 @@ def test_compiled_training_step_follows_marks_writes_and_contexts_between_steps(
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     ts.attach(m)
     x = x3()
+    graphs = []
 
-    @torch.compile(backend="aot_eager")
+    @torch.compile(backend=counting_aot_eager(graphs))
     def step(x):
         loss = m(x).sum()
         loss.backward()
@@ -285,7 +298,8 @@ def test_compiled_training_step_follows_marks_writes_and_contexts_between_steps(
         lambda: m[1].bias.requires_grad_(False),
         lambda: m[1].bias.requires_grad_(True),
     ]
-    for i in range(12):
+    counts = []
+    for i in range(16):
         changes[i % 4]()
         ctx = ts.freeze(m, "0.bias") if i % 3 == 0 else None
         for p in m.parameters():
@@ -297,7 +311,36 @@ def test_compiled_training_step_follows_marks_writes_and_contexts_between_steps(
         assert all(torch.allclose(a, b) for a, b in zip(got, want))
         if ctx is not None:
             ctx.__exit__(None, None, None)
+        counts.append(len(graphs))
+    assert counts[11] == counts[-1]  # every configuration seen by step 12: no more graphs
     assert flags(m) == [True] * 4
+
+
+def test_contexts_entered_inside_a_compiled_step_with_a_head_appended_midway():
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    ts.attach(m)
+    x = x3()
+    graphs = []
+
+    @torch.compile(backend=counting_aot_eager(graphs))
+    def step(x):
+        with ts.freeze(m, "0"):
+            loss = m(x).sum()
+            loss.backward()
+        return loss
+
+    counts = []
+    for i in range(8):
+        for p in m.parameters():
+            p.grad = None
+        if i == 3:
+            m.append(nn.Linear(1, 1))  # trains: not selected by the block
+        step(x)
+        assert [p.grad is not None for p in m.parameters()] == [False, False] + [True] * (
+            len(m) * 2 - 2)
+        assert all(flags(m)) and agree(m)
+        counts.append(len(graphs))
+    assert counts[4] == counts[-1] and not _state.pending
 
 
 def test_module_compile_retraces_once_after_a_registration_and_not_for_other_models():
