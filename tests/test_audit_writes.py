@@ -364,6 +364,31 @@ def test_module_compile_retraces_once_after_a_registration_and_not_for_other_mod
     assert not _state.pending
 
 
+def test_unfreeze_schedule_stages_under_a_compiled_step_then_no_more_graphs():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1))
+    s = ts.UnfreezeSchedule(m, {0: "2", 2: "1", 4: None})
+    x = x3()
+    graphs = []
+
+    @torch.compile(backend=counting_aot_eager(graphs))
+    def step(x):
+        loss = m(x).pow(2).sum()
+        loss.backward()
+        return loss
+
+    counts = []
+    for _ in range(10):
+        for p in m.parameters():
+            p.grad = None
+        step(x)
+        assert [p.grad is not None for p in m.parameters()] == flags(m) and agree(m)
+        s.step()
+        counts.append(len(graphs))
+    assert all(flags(m))
+    assert counts[5] == counts[-1]  # the last stage compiled once
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "with fullgraph=True, a registration into ANOTHER attached model makes this model's "
     "compiled forward raise (the traced hook guards on the process-wide pending flag and "
