@@ -278,6 +278,32 @@ def test_a_write_on_a_shared_parameter_wins_over_both_models_earlier_declaration
     assert not shared.weight.requires_grad and agree(a) and agree(b)
 
 
+class _Declares(nn.Module):
+    def __init__(self, shared):
+        super().__init__()
+        self.shared = shared
+        self.extra = nn.Linear(2, 2)
+
+    def trainable(self):
+        return ["shared", "extra"]
+
+
+def test_mark_trainable_refused_by_a_sharing_models_broken_declaration_changes_nothing():
+    shared = nn.Linear(2, 2)
+    a = nn.Sequential(shared, nn.Linear(2, 2))
+    ts.attach(a)
+    b = _Declares(shared)
+    ts.attach(b)
+    del b.extra  # b's declaration names a child that is gone
+    with pytest.raises(ValueError, match="extra"):
+        ts.mark_trainable(a, "1")  # would freeze the shared layer: b must be applied too
+    assert flags(a) == [True] * 4 and flags(b) == [True, True]
+    assert "_torchstruct_trainable" not in a.__dict__  # the declaration was not kept
+    with pytest.raises(ValueError, match="extra"):
+        ts.is_trainable(a, "0.weight")  # a read says so too, and writes nothing
+    assert flags(a) == [True] * 4
+
+
 # --------------------------------------------------------------------- rule 2: compiled code
 def test_compiled_training_step_follows_marks_writes_and_contexts_between_steps():
     torch.manual_seed(0)
