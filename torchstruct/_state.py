@@ -53,8 +53,22 @@ applied_through = DECLARED_BY_CLASS  # every serial up to this one has had its f
 
 
 def next_serial() -> int:
-    """A serial for a context being pushed or a declaration being made (under the lock)."""
+    """A serial for a context being pushed or a declaration being made (under the lock).
+
+    Writes by someone else not read yet are read first, so that each is dated before the new
+    serial: a context or declaration made after a write applies on top of it, whenever the
+    write is noticed by an application."""
+    note_writes()
     return next(_serials)
+
+
+def note_writes() -> None:
+    """Read every flag someone else wrote since torchstruct last wrote it: it becomes the
+    parameter's starting flag, standing against everything up to ``applied_through``."""
+    for key, (ref, _base, written, _since) in list(records.items()):
+        p = ref()
+        if p is not None and p.requires_grad is not written:
+            records[key] = (ref, p.requires_grad, p.requires_grad, applied_through)
 
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began): layers whose
 # running statistics are held now
@@ -120,28 +134,29 @@ def state_of(root: nn.Module):
     return st if st is not None and st.root() is root else None
 
 
-# Whether some attached tree may have changed since its last application (a registration).
-# Compiled code reads it (and guards on it): see torchstruct.hooks._pre_forward.
-pending = False
+# Attribute on an attached root: True while its tree changed since its last application (a
+# registration). Compiled code reads it, and guards on it: see torchstruct.hooks._pre_forward.
+CHANGED = "_torchstruct_changed"
 
 
-def any_dirty() -> bool:
-    """Whether a live attached tree changed since its last application."""
-    return any(st.dirty and st.root() is not None for st in states.values())
+def mark_changed(st) -> None:
+    """The tree of state ``st`` changed: its next forward applies again."""
+    st.dirty = True
+    root = st.root()
+    if root is not None:
+        root.__dict__[CHANGED] = True
 
 
 def _on_registered(module: nn.Module, name: str, value) -> None:
     """A parameter or module was registered into ``module``: only trees holding it changed."""
-    global pending
     if value is not None and (module._parameters.get(name) is value
                               or module._modules.get(name) is value):
         return  # the same object registered again (tie_weights): nothing changed
     key = id(module)
     for st in list(states.values()):
         if key in st.module_ids:
-            st.dirty = True
+            mark_changed(st)
             st.registrations += 1
-            pending = True
 
 
 _module_mod.register_module_parameter_registration_hook(_on_registered)

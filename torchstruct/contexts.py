@@ -201,10 +201,10 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
     with _state.LOCK:
         _drop_dead()
         saved = list(_state.entries)
-        for entry in news:
+        for entry in news:  # a stage change continues the stage it replaces: its serial
             scope = entry.scope()
             entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
-            entry.serial = _state.next_serial()
+            entry.serial = olds[0].serial if olds else _state.next_serial()
         _state.entries[:] = _swapped(saved, olds, news)
         try:
             _apply_around(anchor)

@@ -108,7 +108,7 @@ class State:
             self.module_ids = frozenset(map(id, modules))
             self._sync_norm_hooks(modules)
             self.dirty = False
-            _state.pending = _state.any_dirty()
+            root.__dict__.pop(_state.CHANGED, None)
             if error is not None:
                 raise error
             return changes
@@ -131,8 +131,7 @@ class State:
         mine = self.live_members()
         for st in others:
             if not st.live_members().isdisjoint(mine):
-                st.dirty = True
-                _state.pending = True
+                _state.mark_changed(st)
         _release(self.members, {i for st in others for i in st.live_members()})
         self.members = {}
         self.uninstall()
@@ -260,8 +259,8 @@ _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is
 
 def _pre_forward(module: nn.Module, _args) -> None:
     if _is_compiling():  # flags are written eagerly; compiled code guards on them
-        if _state.pending:  # read while tracing: a registration later makes dynamo retrace
-            _apply_pending_eagerly()  # a graph break: runs eagerly, before the traced forward
+        if getattr(module, _state.CHANGED, False):  # guarded: a registration makes it retrace
+            _apply_eagerly(module)  # a graph break: runs eagerly, before the traced forward
         return
     st = _state.states.get(id(module))
     if st is not None and st.dirty and st.root() is module:
@@ -269,14 +268,16 @@ def _pre_forward(module: nn.Module, _args) -> None:
 
 
 @torch.compiler.disable
-def _apply_pending_eagerly() -> None:
+def _apply_eagerly(module: nn.Module) -> None:
     """Inside compiled code (``module.compile()``, a compiled step calling the model): apply
-    every attached tree changed since its last application, outside the graph."""
+    the change of ``module``'s tree outside the graph. A copy carrying the mark (``deepcopy``)
+    has no state: the mark is dropped."""
     with _state.LOCK:
-        for st in _state.live_states():
-            if st.dirty:
-                st.apply()
-        _state.pending = _state.any_dirty()  # also when none was (a model that died)
+        st = _state.state_of(module)
+        if st is None or st.hook is None:
+            module.__dict__.pop(_state.CHANGED, None)
+        elif st.dirty:
+            st.apply()
 
 
 def _pre_compiled_forward(wrapper: nn.Module, _args) -> None:
