@@ -40,7 +40,8 @@ class Rules:
     Parameters (by name): a0w a0b (A only), sw sb (S: A's "1", B's "0"), b1w b1b (B only).
     A flag differing from the one torchstruct last wrote is someone else's write: it becomes the
     starting flag and the contexts entered and declarations made before it no longer apply to
-    it; it is read at the
+    it; every write is read before a context is entered or a declaration made, and otherwise
+    at the
     next application of a tree holding it (every context entry/exit applies both trees, as they
     share S; mark_trainable applies the trees that contain the declaring module).
     """
@@ -125,10 +126,8 @@ class Rules:
         self.apply()
 
     def declare(self, mod, names, trees):
-        base, over = self._seen()  # writes to the applied trees are read before it is made
-        for p in set().union(*(self.SCOPE[t] for t in trees)):
-            self.base[p], self.override[p] = base[p], over[p]
-            self.written[p] = self.flag[p]
+        self.base, self.override = self._seen()  # every write is read before it is made
+        self.written = dict(self.flag)
         self.serial += 1
         self.decl[mod] = None if names is None else (names, self.serial)
         self.apply(trees)
@@ -246,6 +245,22 @@ def _random_ops(rng, n):
     return ops
 
 
+def _one_write_between_reads(ops):
+    """Another thread's context or declaration reads this thread's writes at any moment, so two
+    writes between this thread's own reads (a context entered or left, a declaration) could
+    cancel out or not: keep the first."""
+    out, written = [], False
+    for op in ops:
+        if "write" in op[0]:
+            if written:
+                continue
+            written = True
+        elif op[0] in ("enter", "exit", "declare"):
+            written = False
+        out.append(op)
+    return out
+
+
 def test_random_sequences_in_four_threads_on_their_own_models_agree_with_the_model():
     errors = []
 
@@ -253,7 +268,7 @@ def test_random_sequences_in_four_threads_on_their_own_models_agree_with_the_mod
         rng = random.Random(seed)
         try:
             for _ in range(25):
-                run_sequence(_random_ops(rng, 16))
+                run_sequence(_one_write_between_reads(_random_ops(rng, 16)))
         except BaseException as err:  # noqa: BLE001 - reported below
             errors.append(err)
 

@@ -62,10 +62,20 @@ def next_serial() -> int:
     return next(_serials)
 
 
+def _snapshot(table: dict) -> list:
+    """``table``'s items; a weakref callback run by garbage collection while they are listed
+    may remove one (records of dead parameters): list them again then."""
+    while True:
+        try:
+            return list(table.items())
+        except RuntimeError:  # "dictionary changed size during iteration"
+            continue
+
+
 def note_writes() -> None:
     """Read every flag someone else wrote since torchstruct last wrote it: it becomes the
     parameter's starting flag, standing against everything up to ``applied_through``."""
-    for key, (ref, _base, written, _since) in list(records.items()):
+    for key, (ref, _base, written, _since) in _snapshot(records):
         p = ref()
         if p is not None and p.requires_grad is not written:
             records[key] = (ref, p.requires_grad, p.requires_grad, applied_through)
