@@ -14,12 +14,9 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from _flags import flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def flags(m):
-    return [p.requires_grad for p in m.parameters()]
 
 
 def x3():

@@ -16,17 +16,9 @@ from torch import nn
 from torch.optim.swa_utils import update_bn
 
 import torchstruct as ts
+from _flags import flags, reads
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-def flags(m):
-    return [p.requires_grad for p in m.parameters()]
-
-
-def reads(m):
-    chosen = {id(p) for _, p in ts.trainable_parameters(m)}
-    return [id(p) in chosen for p in m.parameters()]
 
 
 def restored_warnings(caught):

@@ -17,18 +17,10 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from _flags import flags, reads
 from torchstruct import _state
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-def flags(m):
-    return [p.requires_grad for p in m.parameters()]
-
-
-def reads(m):
-    said = {id(p) for _, p in ts.trainable_parameters(m)}
-    return [id(p) in said for p in m.parameters()]
 
 
 def agree(m):
