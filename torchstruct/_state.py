@@ -3,7 +3,7 @@
 Everything torchstruct remembers between calls lives here, and nowhere else:
 
 - ``records``: per parameter, its *starting flag*, the flag torchstruct last wrote, and the
-  serial of the newest context a write by someone else overrides (see below). Kept here, not
+  serial of the newest context or declaration a write by someone else overrides (see below). Kept here, not
   as attributes of the parameter, so that a copy of a parameter (``deepcopy``, ``torch.save``)
   carries nothing of ours and behaves as plain PyTorch.
 - ``states``: the attached models (roots), keyed by ``id``; each :class:`~torchstruct.hooks.State`
@@ -37,7 +37,8 @@ from torch.nn.modules import module as _module_mod
 LOCK = threading.RLock()
 
 # id(parameter) -> (weakref to it, starting flag, flag torchstruct last wrote, serial of the
-# newest context that does not apply to it because someone else wrote its flag after it applied)
+# newest context or declaration that does not apply to it because someone else wrote its flag
+# after it was made)
 records: dict[int, tuple[weakref.ref, bool, bool, int]] = {}
 
 # id(root) -> State (see torchstruct.hooks); a State holds its root weakly
