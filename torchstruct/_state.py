@@ -74,12 +74,12 @@ def _snapshot(table: dict) -> list:
 
 
 def note_writes() -> None:
-    """Read every flag someone else wrote since torchstruct last wrote it: it becomes the
-    parameter's starting flag, standing against everything up to ``applied_through``."""
-    for key, (ref, _base, written, _since) in _snapshot(records):
-        p = ref()
-        if p is not None and p.requires_grad is not written:
-            records[key] = (ref, p.requires_grad, p.requires_grad, applied_through)
+    """Read every flag someone else wrote since torchstruct last wrote it (see
+    :func:`current`), so that the write is dated now."""
+    for key, hit in _snapshot(records):
+        p = hit[0]()
+        if p is not None and p.requires_grad is not hit[2]:
+            records[key] = (hit[0], *_read(hit, p))
 
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began): layers whose
 # running statistics are held now
@@ -100,6 +100,26 @@ def record(p) -> tuple[bool, bool, int] | None:
     if hit is None or hit[0]() is not p:
         return None
     return hit[1], hit[2], hit[3]
+
+
+def current(p) -> tuple[bool, int] | None:
+    """``(starting flag, overridden-through serial)`` of parameter ``p`` as it stands now, or
+    None if torchstruct never wrote its flag.
+
+    The one place the rule lives: a flag different from the one torchstruct last wrote was
+    written by someone else after everything up to ``applied_through``; it becomes the starting
+    flag, and those contexts and declarations no longer apply to ``p``."""
+    hit = records.get(id(p))
+    if hit is None or hit[0]() is not p:
+        return None
+    return _read(hit, p)[::2]
+
+
+def _read(hit: tuple, p) -> tuple[bool, bool, int]:
+    """``(starting flag, flag now, overridden-through serial)`` of ``p`` from its record."""
+    if p.requires_grad is hit[2]:
+        return hit[1], hit[2], hit[3]
+    return p.requires_grad, p.requires_grad, applied_through
 
 
 def _forget_dead(ref: weakref.ref, key: int) -> None:

@@ -209,10 +209,9 @@ def _set_mark(module: nn.Module, mark) -> None:
 def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, int | None]:
     """Where ``p`` (at ``path`` of a tree whose last application was ``last``) starts from.
 
-    The flag torchstruct last wrote stands for the recorded starting flag; any other value was
-    written by someone else after the contexts applied so far: it becomes the starting flag,
-    and those contexts no longer apply to ``p`` (the write stands; contexts entered later still
-    apply on top). A parameter put in place of another without torchstruct seeing it (FSDP2,
+    A parameter torchstruct wrote starts from :func:`torchstruct._state.current` (a write by
+    someone else becomes its starting flag, and the contexts applied so far no longer apply to
+    it; those entered later still apply on top). A parameter put in place of another without torchstruct seeing it (FSDP2,
     ``load_state_dict(assign=True)``) that carries the flag torchstruct last wrote at its path
     is taken as that parameter's copy: it keeps its starting flag and what contexts decided
     for it.
@@ -221,11 +220,9 @@ def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, in
         ``(starting flag, serial of the newest context that no longer applies to p (0: none),
         a weak reference to the parameter ``p`` is a copy of, or None)``.
     """
-    rec = _state.record(p)
-    if rec is not None:
-        if p.requires_grad is rec[1]:
-            return rec[0], rec[2], None
-        return p.requires_grad, _state.applied_through, None
+    now = _state.current(p)
+    if now is not None:
+        return now[0], now[1], None
     before = last.get(path)
     if before is not None and before[1] is p.requires_grad:
         return before[0], before[2], before[3]
