@@ -20,8 +20,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"unknown benchmark(s) {unknown}; available: {names}")
     for name in argv or names:
         print(f"== {name}", flush=True)
-        sys.argv = [f"benchmarks.bench_{name}", "--write"]  # each main() parses sys.argv
-        importlib.import_module(f"benchmarks.bench_{name}").main()
+        importlib.import_module(f"benchmarks.bench_{name}").main(["--write"])
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ CPU kernel skips the scale (the result is identical), reading the grads once.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
 
@@ -34,7 +33,7 @@ from torchstruct import _ops
 
 from .bench_global_norm import gpt2_small_shapes
 from .common import bytes_of, interleaved_medians, machine_description, memory_bandwidth
-from .results import write_section
+from .results import options, report
 
 PLOT = pathlib.Path(__file__).with_name("clip_scaling.png")
 CLIP, NO_CLIP = 0.0, 1e9
@@ -182,17 +181,10 @@ def run(device="cpu", rounds=15, make_plot=True):
     ])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
-    parser.add_argument("--no-plot", action="store_true")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = options(__doc__, argv, device="cpu", rounds=15, no_plot=False)
     body = run(args.device, args.rounds, not args.no_plot)
-    print(body)
-    if args.write:
-        write_section("clip", f"clip_by_global_norm ({torch.device(args.device).type})", body)
+    report(args, "clip", f"clip_by_global_norm ({torch.device(args.device).type})", body)
 
 
 if __name__ == "__main__":

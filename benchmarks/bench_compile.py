@@ -20,7 +20,6 @@ their parameters alike (relative L2 difference of the moves from the initial val
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import shutil
@@ -32,7 +31,7 @@ import torch
 
 from .common import (TinyGPT, lm_loss, machine_description, paired_ratios, token_batch,
                      torch_adamw)
-from .results import write_section
+from .results import options, report
 
 BATCH, SEQ = 4, 64
 LR = 1e-3
@@ -248,21 +247,12 @@ def interpretation(samples, opt_samples, med, opt_med, compile_s, threads, cold)
         f"No target ratio is set for this benchmark (measurement only).")
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--warm-cache", action="store_true",
-                        help="use inductor's usual cache directory (compile time then depends on "
-                             "earlier runs)")
-    parser.add_argument("--write", action="store_true",
-                        help="write the table into benchmarks/RESULTS.md (section 'compile')")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = options(__doc__, argv, helps={"warm_cache": (
+        "use inductor's usual cache directory (compile time then depends on earlier runs)")},
+        rounds=30, warmup=3, threads=1, warm_cache=False)
     table = run(args.rounds, args.warmup, args.threads, cold=not args.warm_cache)
-    print(table)
-    if args.write:
-        write_section("compile", "Compiled vs eager training step (CPU, inductor)", table)
+    report(args, "compile", "Compiled vs eager training step (CPU, inductor)", table)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ deadline, and terminated if it passes.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import datetime
 import os
@@ -42,7 +41,7 @@ import torch.multiprocessing as mp
 
 from .common import (TinyGPT, lm_loss, machine_description, paired_ratios, token_batch,
                      torch_adamw)
-from .results import write_section
+from .results import options, report
 
 WORLD = 2
 BATCH, SEQ = 4, 64  # per rank
@@ -338,20 +337,12 @@ def run(steps: int = 40, warmup: int = 4, opt_reps: int = 30, deadline: float = 
     return report(r, steps, warmup, opt_reps)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--opt-reps", type=int, default=30)
-    parser.add_argument("--deadline", type=float, default=170.0,
-                        help="seconds before the worker processes are terminated")
-    parser.add_argument("--write", action="store_true",
-                        help="write the table into benchmarks/RESULTS.md (section 'ddp')")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = options(__doc__, argv, helps={"deadline": (
+        "seconds before the worker processes are terminated")},
+        steps=40, warmup=4, opt_reps=30, deadline=170.0)
     table = run(args.steps, args.warmup, args.opt_reps, args.deadline)
-    print(table)
-    if args.write:
-        write_section("ddp", "DDP training step (2 processes, CPU, gloo)", table)
+    report(args, "ddp", "DDP training step (2 processes, CPU, gloo)", table)
 
 
 if __name__ == "__main__":

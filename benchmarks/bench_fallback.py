@@ -16,7 +16,6 @@ measuring.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -25,7 +24,7 @@ import torchstruct.optim as tso
 from torchstruct import _ops
 
 from .common import interleaved_medians, machine_description, torch_adamw
-from .results import write_section
+from .results import options, report
 
 
 def _params(device, count, size, seed):
@@ -115,17 +114,10 @@ def run(device="cpu", rounds=9) -> str:
     return "\n".join(lines)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--write", action="store_true",
-                        help="write the table into benchmarks/RESULTS.md (section 'fallback')")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = options(__doc__, argv, device="cpu", rounds=9)
     table = run(args.device, args.rounds)
-    print(table)
-    if args.write:
-        write_section("fallback", "A device without compiled kernels (fallback)", table)
+    report(args, "fallback", "A device without compiled kernels (fallback)", table)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ in-place memory bandwidth (x.mul_(1.0), read + write), measured in the same run.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 from torchstruct import _ops
 
 from .common import bytes_of, interleaved_medians, machine_description, memory_bandwidth
-from .results import write_section
+from .results import options, report
 
 
 def small_tensors(device, n=2000, size=1000):
@@ -117,17 +116,11 @@ def run(device: str = "cpu", p: float = 2.0, rounds: int = 15) -> str:
     ])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--norm-type", type=float, default=2.0)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = options(__doc__, argv, device="cuda" if torch.cuda.is_available() else "cpu",
+                   norm_type=2.0, rounds=15)
     body = run(args.device, args.norm_type, args.rounds)
-    print(body)
-    if args.write:
-        write_section("global_norm", f"global_norm ({torch.device(args.device).type})", body)
+    report(args, "global_norm", f"global_norm ({torch.device(args.device).type})", body)
 
 
 if __name__ == "__main__":

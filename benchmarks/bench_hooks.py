@@ -13,7 +13,6 @@ costs the same whoever installs the hook.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -23,7 +22,7 @@ from torch import nn
 import torchstruct as ts
 from torchstruct.hooks import _pre_forward
 
-from .results import write_section
+from .results import options, report
 
 
 def small_mlp() -> nn.Module:
@@ -183,15 +182,9 @@ def run(rounds: int = 30) -> str:
     ])
 
 
-def main(argv=None) -> None:  # argv: None reads sys.argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="write the table into RESULTS.md")
-    parser.add_argument("--rounds", type=int, default=30)
-    args = parser.parse_args(argv)
-    table = run(args.rounds)
-    print(table)
-    if args.write:
-        write_section("hooks", "Hook overhead", table)
+def main(argv=None) -> None:
+    args = options(__doc__, argv, rounds=30)
+    report(args, "hooks", "Hook overhead", run(args.rounds))
 
 
 if __name__ == "__main__":

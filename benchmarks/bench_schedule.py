@@ -10,7 +10,6 @@ flags do not depend on the data) is reported next to what users write by hand, a
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -20,7 +19,7 @@ from torch import nn
 import torchstruct as ts
 
 from .common import TinyGPT, machine_description
-from .results import write_section
+from .results import options, report
 
 
 def gpt2_small_on_meta() -> tuple[nn.Module, str]:
@@ -115,15 +114,9 @@ def run(rounds: int) -> str:
     ])
 
 
-def main(argv=None) -> None:  # argv: None reads sys.argv
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="write the table into RESULTS.md")
-    parser.add_argument("--rounds", type=int, default=15)
-    args = parser.parse_args(argv)
-    table = run(args.rounds)
-    print(table)
-    if args.write:
-        write_section("schedule", "UnfreezeSchedule: idle step and stage change", table)
+def main(argv=None) -> None:
+    args = options(__doc__, argv, rounds=15)
+    report(args, "schedule", "UnfreezeSchedule: idle step and stage change", run(args.rounds))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ groups of different ``lr_scale`` (as ``ts.layer_decay`` makes them) against one 
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -32,7 +31,7 @@ from torchstruct import _ops
 
 from .bench_global_norm import gpt2_small_shapes
 from .common import interleaved_medians, machine_description, memory_bandwidth
-from .results import write_section
+from .results import options, report
 
 TS_BYTES_PER_ELEM = 32
 TORCH_BYTES_PER_ELEM = 40
@@ -156,24 +155,15 @@ def run_lr_scale(device: str = "cpu", rounds: int = 9) -> str:
     ])
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--write", action="store_true",
-                        help="write the table into benchmarks/RESULTS.md (section 'step')")
-    parser.add_argument("--lr-scale-only", action="store_true",
-                        help="run only the lr_scale table (5 groups vs one)")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    args = options(__doc__, argv, helps={"lr_scale_only": (
+        "run only the lr_scale table (5 groups vs one)")}, device="cpu", rounds=9,
+        lr_scale_only=False)
     if not args.lr_scale_only:
-        table = run(args.device, args.rounds)
-        print(table)
-        if args.write:
-            write_section("step", "Optimizer step (AdamW + global-norm clip)", table)
-    table = run_lr_scale(args.device, args.rounds)
-    print(table)
-    if args.write:
-        write_section("lr_scale", "Optimizer step with 5 lr_scale groups vs one", table)
+        report(args, "step", "Optimizer step (AdamW + global-norm clip)",
+               run(args.device, args.rounds))
+    report(args, "lr_scale", "Optimizer step with 5 lr_scale groups vs one",
+           run_lr_scale(args.device, args.rounds))
 
 
 if __name__ == "__main__":

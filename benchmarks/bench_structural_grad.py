@@ -31,7 +31,6 @@ Memory, on CPU where torch keeps no allocator statistics:
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -43,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 import torchstruct as ts
 
 from .common import bytes_of, machine_description
-from .results import write_section
+from .results import options, report
 
 D, HEADS, LAYERS, SEQ, BATCH, VOCAB = 256, 4, 12, 128, 8, 1000
 
@@ -235,15 +234,10 @@ def report(model, rows, rounds) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="update benchmarks/RESULTS.md")
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    body = run(args.rounds)
-    print(body)
-    if args.write:
-        write_section("structural_grad", "structural_grad: asking for part of a model", body)
+def main(argv=None) -> None:
+    args = options(__doc__, argv, rounds=5)
+    report(args, "structural_grad", "structural_grad: asking for part of a model",
+           run(args.rounds))
 
 
 if __name__ == "__main__":
