@@ -304,15 +304,20 @@ def _find_stack(model: nn.Module, layers) -> tuple[str, nn.Module]:
     if not found:
         raise ValueError("layer_decay: the model has no nn.ModuleList or nn.Sequential of two "
                          "or more blocks of one type; name the layer stack with layers=")
-    most = max(len(m) for _, m in found)
-    best = [(n, m) for n, m in found if len(m) == most]
-    # of stacks of one size nested in one another (per-head lists inside blocks), the outermost
-    best = [(n, m) for n, m in best if not any(n.startswith(o + ".") for o, _ in best)]
-    if len(best) > 1:
-        names = ", ".join(repr(n) for n, _ in best)
-        raise ValueError(f"layer_decay: several layer stacks of {most} blocks: {names}; "
+    inside = lambda n, o: n.startswith(o + ".")  # noqa: E731
+    outer = [(n, m) for n, m in found if not any(inside(n, o) for o, _ in found)]
+    if len(outer) > 1:  # side by side (an encoder and a decoder, two towers, a head)
+        names = ", ".join(repr(n) for n, _ in outer)
+        sizes = ", ".join(str(len(m)) for _, m in outer)
+        raise ValueError(f"layer_decay: several layer stacks: {names} (of {sizes} blocks); "
                          f"pick one with layers=")
-    return best[0]
+    name, stack = outer[0]
+    larger = [n for n, m in found if inside(n, name) and len(m) > len(stack)]
+    if larger:  # stages of blocks: the stages or the blocks of one stage?
+        raise ValueError(f"layer_decay: the layer stack {name!r} ({len(stack)} blocks) holds "
+                         f"larger stacks ({', '.join(repr(n) for n in larger)}); pick one with "
+                         f"layers=")
+    return name, stack
 
 
 def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
@@ -328,9 +333,10 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
         model: the module.
         decay: the factor between neighbouring layers, in (0, 1].
         layers: the layer stack (an ``nn.ModuleList`` or ``nn.Sequential``), by path
-            (``"encoder.layer"``) or as the module. ``None`` finds it: the largest list of at
-            least two blocks of one type that have parameters (of equal ones nested in each
-            other, the outermost).
+            (``"encoder.layer"``) or as the module. ``None`` finds it: the one list of at least
+            two blocks of one type that have parameters and lies in no other such list (lists
+            inside its blocks, such as per-head or per-expert lists, are ignored when they are
+            not longer than it).
 
     Returns:
         A list of rules ``(selector, {"lr_scale": ..., "name": ...})``: one for the
@@ -340,7 +346,9 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
 
     Raises:
         ValueError: ``decay`` outside (0, 1]; ``layers`` not a list of blocks of the model
-            (naming the closest module paths); no stack found, or several of the largest size.
+            (naming the closest module paths); no stack found, several stacks side by side
+            (an encoder and a decoder, two towers), or one holding a longer stack in a block
+            (stages of blocks); the message names them.
         TypeError: ``decay`` not a number, ``layers`` of a wrong type.
 
     Example:
