@@ -74,15 +74,20 @@ def _auto_no_decay(model: nn.Module) -> list:
         return _is_bias(path) or parent in norms
 
     bias_or_norm.__name__ = "biases and norms"
-    named = []  # the timm convention: a module's no_weight_decay() names (paths or prefixes)
-    for prefix, m in model.named_modules():
+    named = []  # the timm convention: a module's no_weight_decay() names (paths, prefixes or
+    for prefix, m in model.named_modules():  # fnmatch patterns), relative to the module
         fn = getattr(m, "no_weight_decay", None)
         if callable(fn):
-            for name in fn():
+            names = fn()
+            if isinstance(names, str):  # iterating it would give its letters
+                raise TypeError(f"param_groups: {type(m).__name__}.no_weight_decay() returned "
+                                f"the str {names!r}; return a collection of names, e.g. "
+                                f"{{{names!r}}}")
+            for name in names:
                 if not isinstance(name, str):
                     raise TypeError(f"param_groups: {type(m).__name__}.no_weight_decay() "
                                     f"returned {name!r}, not a str")
-                named.append(glob.escape(f"{prefix}.{name}" if prefix else name))
+                named.append(f"{glob.escape(prefix)}.{name}" if prefix else name)
     return [bias_or_norm, *named]
 
 
@@ -174,8 +179,8 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
             component ``bias``, ``*_bias`` or ``bias_*``), every direct parameter of a
             normalization layer (see :func:`is_norm`) and the names returned by the
             ``no_weight_decay()`` method of the model or any submodule (the timm convention;
-            parameter paths or module prefixes, relative to that module). A selector replaces
-            that rule; ``None`` decays everything.
+            parameter paths, module prefixes or glob patterns such as ``"*.gamma"``, relative
+            to that module). A selector replaces that rule; ``None`` decays everything.
         strict: when True (default), a rule (or ``no_decay`` selector) that selects no
             parameter raises.
 
@@ -190,7 +195,8 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
         ValueError: a rule selecting nothing (naming the closest paths), a negative or
             non-finite ``lr`` / ``lr_scale`` / ``weight_decay``, an option that looks like a
             typo of a known one, ``params`` or ``param_names`` among the options.
-        TypeError: a rule that is not a pair, options that are not a dict, a bad selector.
+        TypeError: a rule that is not a pair, options that are not a dict, a bad selector,
+            a ``no_weight_decay()`` that returns a str or names that are not str.
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
