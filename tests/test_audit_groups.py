@@ -217,3 +217,203 @@ def test_layer_decay_matches_timms_rule_on_real_stacks(which):
     if which == "gpt2":  # the tied head lives at the embedding: id 0
         assert got["transformer.wte.weight"] == pytest.approx(decay ** (n + 1))
         assert "lm_head.weight" not in got
+
+
+# ---------------------------------------------------------------------------- ts.param_groups
+@pytest.mark.parametrize("no_decay", ["auto", None, "blocks.*.norm", lambda path, p: p.ndim <= 1])
+def test_param_groups_partition_every_parameter_once_brute_force(no_decay):
+    model = Net()
+    ts.freeze(model, "lstm", "blocks.1")  # frozen parameters are grouped too
+    rules = [("blocks.1", {"lr": 1.0}), (model.blocks[2].fc.weight, {"lr": 2.0}),
+             (re.compile(r"blocks\.\d\.fc\..*"), {"lr": 3.0}), ("head", {"lr": 4.0}),
+             ("blocks", {"lr": 5.0, "weight_decay": 0.3})]
+    groups = ts.param_groups(model, *rules, weight_decay=0.1, no_decay=no_decay)
+    where = placed(groups)
+    first = canonical(model)
+    assert sorted(where) == sorted(first.values())  # each object once, at its first path
+    params = [p for g in groups for p in g["params"]]
+    assert len({id(p) for p in params}) == len(params) == len(first)
+    for g in groups:  # paths and objects agree
+        assert [first[id(p)] for p in g["params"]] == g["param_names"]
+    # first rule wins, by brute force: the index of the first rule whose selection holds it
+    for path, g in where.items():
+        p = model.get_parameter(path)
+        k = next((i for i, (sel, _) in enumerate(rules)
+                  if any(q is p for _, q in ts.select(model, sel, strict=False))), None)
+        assert g.get("lr") == (None if k is None else rules[k][1]["lr"]), path
+    assert len({g["name"] for g in groups}) == len(groups)
+
+
+def test_param_groups_auto_no_decay_matches_brute_force_on_every_norm_class():
+    model = Net()
+    groups = ts.param_groups(model, weight_decay=0.1)
+    exempt = norm_exempt_brute_force(model)
+    by_path = placed(groups)
+    for path, g in by_path.items():
+        p = model.get_parameter(path)
+        assert (g["weight_decay"] == 0.0) == (id(p) in exempt), path
+    for path in ("rms.weight", "gn.weight", "gn.bias", "bn.weight", "ln_nobias.weight",
+                 "lstm.bias_ih_l0", "blocks.0.norm.weight"):
+        assert by_path[path]["weight_decay"] == 0.0, path
+    for path in ("embed.weight", "pos", "lstm.weight_ih_l0", "blocks.2.fc.weight"):
+        assert by_path[path]["weight_decay"] == 0.1, path
+
+
+def test_param_groups_hf_norm_classes_built_from_config():
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=40, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2))
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=40, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2))
+    for model in (llama, t5):
+        by_path = placed(ts.param_groups(model, weight_decay=0.1))
+        exempt = norm_exempt_brute_force(model)
+        assert exempt  # the RMSNorm / T5LayerNorm weights are found by class name
+        for path, g in by_path.items():
+            p = model.get_parameter(path)
+            assert (g["weight_decay"] == 0.0) == (id(p) in exempt), path
+
+
+@pytest.mark.parametrize("make", [tiny_bert, tiny_gpt2])
+def test_param_groups_agree_with_hf_trainer_on_the_trained_parameters(make):
+    transformers = pytest.importorskip("transformers")
+    model = make()
+    args = transformers.TrainingArguments(output_dir="/tmp/unused", report_to=[],
+                                          weight_decay=0.1, use_cpu=True)
+    trainer = transformers.Trainer(model=model, args=args)
+    decayed = set(trainer.get_decay_parameter_names(model))
+    groups = ts.param_groups(model, weight_decay=0.1)
+    ours = {n for g in groups if g["weight_decay"] == 0.1 for n in g["param_names"]}
+    assert ours == decayed & set(placed(groups))  # HF lists tied aliases too; we list them once
+
+
+def test_param_groups_options_pass_through_to_torch_and_ts_optimizers_and_a_scheduler():
+    model = Net()
+    groups = ts.param_groups(model, ("blocks", {"betas": (0.5, 0.6), "lr_scale": 0.5,
+                                                "name": "body", "eps": 1e-6}),
+                             weight_decay=0.1)
+    assert groups[0]["betas"] == (0.5, 0.6) and groups[0]["lr_scale"] == 0.5
+    assert groups[0]["name"] == "body" and groups[1]["name"] == "body (no decay)"
+    for cls in (torch.optim.AdamW, ts.optim.AdamW):
+        opt = cls(ts.param_groups(model, ("blocks", {"betas": (0.5, 0.6), "lr_scale": 0.5}),
+                                  weight_decay=0.1), lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        opt.step()  # no gradients: nothing moves
+        sched.step()
+        assert [g["lr"] for g in opt.param_groups] == [5e-4] * len(opt.param_groups)
+        assert opt.param_groups[0]["betas"] == (0.5, 0.6)
+        assert opt.param_groups[0]["lr_scale"] == 0.5
+        assert opt.state_dict()["param_groups"][0]["param_names"] == groups[0]["param_names"]
+
+
+def test_param_groups_frozen_parameters_are_grouped_and_left_untouched_by_the_optimizers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    ts.freeze(model, "0")
+    before = model[0].weight.detach().clone()
+    model[0].weight.grad = torch.ones(3, 3)  # a stale gradient
+    opt = ts.optim.AdamW(ts.param_groups(model, weight_decay=0.5), lr=0.1)
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert torch.equal(model[0].weight, before) and model[0].weight not in opt.state
+    ts.unfreeze(model, "0")  # no add_param_group needed
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    assert not torch.equal(model[0].weight, before)
+
+
+def test_param_groups_no_weight_decay_names_globs_and_submodules():
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.ones(2, 2))
+            self.w = nn.Parameter(torch.ones(2, 2))
+
+        def no_weight_decay(self):
+            return ["gamma"]  # relative to this module
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cls_token = nn.Parameter(torch.zeros(1, 2))
+            self.blocks = nn.ModuleList(Inner() for _ in range(2))
+            self.extra = nn.ModuleDict({"a": nn.Linear(2, 2, bias=False),
+                                        "b": nn.Linear(2, 2, bias=False)})
+            self.proj = nn.Linear(2, 2, bias=False)
+
+        def no_weight_decay(self):
+            return {"cls_token", "extra.*.weight", "nothing_like_this"}  # timm allows patterns
+
+    model = Outer()
+    zero = {n for g in ts.param_groups(model, weight_decay=0.1) if g["weight_decay"] == 0.0
+            for n in g["param_names"]}
+    assert zero == {"cls_token", "blocks.0.gamma", "blocks.1.gamma", "extra.a.weight",
+                    "extra.b.weight"}
+
+
+def test_param_groups_no_weight_decay_returning_a_str_is_refused():
+    model = nn.Sequential(nn.Linear(2, 2))
+    model.no_weight_decay = lambda: "0.weight"  # would otherwise be read letter by letter
+    with pytest.raises(TypeError, match="no_weight_decay.*str '0.weight'"):
+        ts.param_groups(model)
+
+
+def test_param_groups_errors_name_the_rule_or_no_decay():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"rule 1: selector 'haed'.*closest"):
+        ts.param_groups(model, ("0", {}), ("haed", {}))
+    with pytest.raises(ValueError, match=r"rule 0 \('1'\) selects no parameter"):
+        ts.param_groups(model, ("1", {}))  # a module without parameters
+    with pytest.raises(ValueError, match=r"rule 0 \('<lambda>'\) selects no parameter"):
+        ts.param_groups(model, (lambda path, p: False, {}))
+    with pytest.raises(TypeError, match="rule 0: selector must be"):
+        ts.param_groups(model, ({"0"}, {}))
+    with pytest.raises(ValueError, match=r"no_decay: selector '2.bais'.*'2.bias'"):
+        ts.param_groups(model, no_decay="2.bais")
+    # the docstring: a no_decay selector that selects nothing raises, as a rule does
+    with pytest.raises(ValueError, match=r"no_decay \('1'\) selects no parameter"):
+        ts.param_groups(model, no_decay="1")
+    with pytest.raises(ValueError, match=r"no_decay \('<lambda>'\) selects no parameter"):
+        ts.param_groups(model, no_decay=lambda path, p: p.ndim == 3)
+    groups = ts.param_groups(model, ("1", {}), no_decay=lambda path, p: False, strict=False)
+    assert [g["name"] for g in groups] == ["default"]
+
+
+def test_param_groups_overlapping_and_duplicate_rules_first_wins_names_stay_unique():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    groups = ts.param_groups(model, ("0", {"lr": 1.0}), ("0", {"lr": 2.0}),
+                             ("*", {"lr": 3.0}), no_decay=None)
+    assert [(g["name"], g["lr"], g["param_names"]) for g in groups] == [
+        ("0", 1.0, ["0.weight", "0.bias"]), ("*", 3.0, ["1.weight", "1.bias"])]
+    groups = ts.param_groups(model, ("0", {"name": "default"}), ("1.weight", {"name": "x"}),
+                             ("1.bias", {"name": "x"}))
+    names = [g["name"] for g in groups]
+    assert len(set(names)) == len(names) and names[0] == "default"
+
+
+def test_param_groups_tied_parameter_follows_any_of_its_paths():
+    model = Net()
+    groups = ts.param_groups(model, ("head", {"lr": 9.0}), no_decay=None)
+    assert groups[0]["param_names"] == ["embed.weight", "head.bias"]
+    assert groups[0]["params"][0] is model.embed.weight
+    # the block reachable as blocks.0 and shared: once, at blocks.0
+    where = placed(groups)
+    assert "shared.fc.weight" not in where and "blocks.0.fc.weight" in where
+
+
+def test_param_groups_peft_lora_model():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(r=2, target_modules=["c_attn"],
+                                                              fan_in_fan_out=True))
+    groups = ts.param_groups(model, ("*lora_*", {"lr": 1e-2}), weight_decay=0.1)
+    where = placed(groups)
+    assert sorted(where) == sorted(canonical(model).values())
+    lora = [n for n in where if "lora_" in n]
+    assert len(lora) == 6 and all(where[n]["lr"] == 1e-2 for n in lora)
+    assert all(where[n]["weight_decay"] == 0.1 for n in lora)  # 2-d adapter weights decay
+    opt = ts.optim.AdamW(groups, lr=1e-3)
+    model(input_ids=torch.randint(0, 40, (2, 5))).logits.sum().backward()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    opt.step()
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)

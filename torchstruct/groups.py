@@ -192,7 +192,8 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
         Empty groups are left out. Rules come first in their order, the default group last.
 
     Raises:
-        ValueError: a rule selecting nothing (naming the closest paths), a negative or
+        ValueError: a rule or ``no_decay`` selecting nothing (naming it and the closest
+            paths), a negative or
             non-finite ``lr`` / ``lr_scale`` / ``weight_decay``, an option that looks like a
             typo of a known one, ``params`` or ``param_names`` among the options.
         TypeError: a rule that is not a pair, options that are not a dict, a bad selector,
@@ -215,21 +216,26 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
         weight_decay = _check_number(weight_decay, "weight_decay", "argument")
     checked = [_check_rule(rule, i) for i, rule in enumerate(rules)]
     idx = index(model)
-    chosen = [_picked(model, sel, i, strict, idx) for i, (sel, _) in enumerate(checked)]
+    chosen = [_picked(model, sel, f"rule {i}", strict, idx)
+              for i, (sel, _) in enumerate(checked)]
     exempt = _exempt(model, no_decay, strict, idx)
     specs = [(options, options.get("name") or _describe(sel, model, idx))
              for sel, options in checked] + [({}, "default")]
     return _build(specs, _assign(idx, chosen), exempt, weight_decay)
 
 
-def _picked(model: nn.Module, sel, i: int, strict: bool, idx: ParamIndex) -> set:
-    """ids of the parameters rule ``i`` selects; with ``strict``, an empty rule raises."""
-    picked = {id(p) for _, p in select(model, sel, strict=strict, idx=idx)}
+def _picked(model: nn.Module, sel, what: str, strict: bool, idx: ParamIndex) -> set:
+    """ids of the parameters that ``sel`` (``what``: "rule 0", "no_decay") selects; with
+    ``strict``, selecting nothing raises. Errors name ``what``."""
+    try:
+        picked = {id(p) for _, p in select(model, sel, strict=strict, idx=idx)}
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"param_groups: {what}: {e}") from None
     if strict and not picked:
-        what = _describe(sel, model, idx)
-        raise ValueError(f"param_groups: rule {i} ({what!r}) selects no parameter; closest "
-                         f"paths: {_closest(what, idx.all_paths())} (pass strict=False to allow "
-                         f"an empty rule)")
+        name = _describe(sel, model, idx)
+        raise ValueError(f"param_groups: {what} ({name!r}) selects no parameter; closest "
+                         f"paths: {_closest(name, idx.all_paths())} (pass strict=False to allow "
+                         f"an empty selection)")
     return picked
 
 
@@ -239,7 +245,7 @@ def _exempt(model: nn.Module, no_decay, strict: bool, idx: ParamIndex) -> set:
         return {id(p) for _, p in select(model, _auto_no_decay(model), strict=False, idx=idx)}
     if no_decay is None:
         return set()
-    return {id(p) for _, p in select(model, no_decay, strict=strict, idx=idx)}
+    return _picked(model, no_decay, "no_decay", strict, idx)
 
 
 def _assign(idx: ParamIndex, chosen: list) -> list:
