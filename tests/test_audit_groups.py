@@ -417,3 +417,141 @@ def test_param_groups_peft_lora_model():
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt.step()
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen)
+
+
+# ---------------------------------------------------------------------------- ts.UnfreezeSchedule
+def tower():
+    torch.manual_seed(0)
+    return nn.ModuleDict({"embed": nn.Embedding(6, 4),
+                          "blocks": nn.ModuleList(nn.Linear(4, 4) for _ in range(3)),
+                          "head": nn.Linear(4, 6)})
+
+
+MILESTONES = {0: "head", 2: "blocks.2", 3: ["blocks.1", re.compile(r"blocks\.0\.bias")],
+              6: None}
+
+
+def flags(model):
+    return [p.requires_grad for p in model.parameters()]
+
+
+def expected_flags(model, step):
+    """Brute force: the union of the selections of every milestone <= step."""
+    reached = [sel for s, sel in MILESTONES.items() if s <= step]
+    if any(sel is None for sel in reached):
+        return [True] * len(flags(model))
+    on = {id(p) for sel in reached for _, p in ts.select(model, sel)}
+    return [id(p) in on for p in model.parameters()]
+
+
+def test_schedule_counts_like_an_lr_scheduler_and_follows_the_brute_force():
+    model = tower()
+    schedule = ts.UnfreezeSchedule(model, MILESTONES)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lr_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+    for step in range(9):
+        assert schedule.current_step == lr_sched.last_epoch == step
+        assert flags(model) == expected_flags(model, step), step
+        opt.step()
+        lr_sched.step()
+        schedule.step()
+
+
+@pytest.mark.parametrize("stop", [0, 1, 2, 3, 5, 6, 8])
+def test_schedule_resume_equals_an_uninterrupted_run(stop):
+    model = tower()
+    schedule = ts.UnfreezeSchedule(model, MILESTONES)
+    trace = []
+    for _ in range(9):
+        trace.append(flags(model))
+        schedule.step()
+    first = tower()
+    s1 = ts.UnfreezeSchedule(first, MILESTONES)
+    for _ in range(stop):
+        s1.step()
+    buf = io.BytesIO()
+    torch.save(s1.state_dict(), buf)
+    buf.seek(0)
+    fresh = tower()
+    resumed = ts.UnfreezeSchedule(fresh, MILESTONES)
+    resumed.load_state_dict(torch.load(buf))
+    assert flags(fresh) == trace[stop]  # applied at once, before any forward
+    assert resumed.stage == s1.stage and resumed.selectors == s1.selectors
+    for step in range(stop, 9):
+        assert flags(fresh) == trace[step], step
+        resumed.step()
+
+
+def test_schedule_bad_milestones_raise_and_change_nothing():
+    model = tower()
+    with ts.freeze(model, "embed"):
+        before = flags(model)
+        for bad, error, words in [
+            ({-1: "head"}, ValueError, "negative"), ({1.0: "head"}, TypeError, "integers"),
+            ({"1": "head"}, TypeError, "integers"), ({0: "head", 4: "blokcs.1"}, ValueError,
+                                                     "milestone 4.*'blocks"),
+            ({0: []}, ValueError, "empty"), ({0: {"head"}}, TypeError, "milestone 0"),
+            ({0: nn.Linear(2, 2)}, ValueError, "milestone 0.*not a submodule"),
+            ({}, ValueError, "empty"), ([(0, "head")], TypeError, "mapping"),
+        ]:
+            with pytest.raises(error, match=words):
+                ts.UnfreezeSchedule(model, bad)
+            assert flags(model) == before, bad
+    assert all(flags(model))
+
+
+def test_schedule_load_state_dict_bad_state_changes_nothing():
+    model = tower()
+    schedule = ts.UnfreezeSchedule(model, MILESTONES)
+    schedule.step()
+    schedule.step()
+    before = flags(model), schedule.current_step, schedule.stage
+    for bad in [{"step": -1, "milestones": [0, 2, 3, 6]}, {"step": 1.5, "milestones": [0, 2, 3, 6]},
+                {"step": torch.tensor(1.5), "milestones": [0, 2, 3, 6]},
+                {"step": 4, "milestones": 7}, {"step": 4, "milestones": [0, 2, "3", 6]},
+                {"step": 4, "milestones": [0, 2, 6]}, {"step": True, "milestones": [0, 2, 3, 6]},
+                {"step": 4}, None]:
+        with pytest.raises(ValueError, match="load_state_dict"):
+            schedule.load_state_dict(bad)
+        assert (flags(model), schedule.current_step, schedule.stage) == before, bad
+    schedule.load_state_dict({"step": torch.tensor(4), "milestones": (0, 2, 3, 6)})
+    assert schedule.current_step == 4 and type(schedule.current_step) is int
+
+
+def test_schedule_with_an_optimizer_built_from_param_groups():
+    model = tower()
+    schedule = ts.UnfreezeSchedule(model, {0: "head", 1: None})
+    opt = ts.optim.AdamW(ts.param_groups(model, ("embed", {"lr_scale": 0.5}),
+                                         weight_decay=0.1), lr=0.1)
+    tokens = torch.randint(0, 6, (3, 2))
+
+    def forward():
+        h = model["embed"](tokens)
+        for block in model["blocks"]:
+            h = block(h)
+        return model["head"](h).sum()
+
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.zero_grad()
+    forward().backward()
+    opt.step()
+    schedule.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, start[n])}
+    assert moved == {"head.weight", "head.bias"}
+    opt.zero_grad()
+    forward().backward()
+    opt.step()
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, start[n])}
+    assert moved == set(start)  # everything joined without add_param_group
+
+
+def test_schedule_inside_a_context_and_a_context_inside_it():
+    model = tower()
+    with ts.freeze(model, "head"):
+        schedule = ts.UnfreezeSchedule(model, {0: "head", 1: None})
+        assert not any(flags(model))  # the enclosing freeze keeps the head frozen
+        schedule.step()
+        assert not model["head"].weight.requires_grad and model["embed"].weight.requires_grad
+    assert all(flags(model))
+    schedule.close()
+    assert all(flags(model))
