@@ -555,3 +555,186 @@ def test_schedule_inside_a_context_and_a_context_inside_it():
     assert all(flags(model))
     schedule.close()
     assert all(flags(model))
+
+
+# ---------------------------------------------------------------------------- checkpoints
+class Ckpt(nn.Module):
+    """Tied weights, a module used twice, norms with and without parameters, buffers at the
+    root and non-persistent ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.stats = nn.BatchNorm1d(4, affine=False)  # statistics only
+        self.inst = nn.InstanceNorm1d(4)  # no parameters, no statistics
+        self.body = nn.Linear(4, 4)
+        self.body.register_buffer("scale", torch.ones(4))
+        self.body.register_buffer("cache", torch.zeros(4), persistent=False)
+        self.ln = nn.LayerNorm(4)
+        self.again = self.ln
+        self.out = nn.Linear(4, 6, bias=False)
+        self.out.weight = self.embed.weight
+        self.register_buffer("root", torch.zeros(2))
+
+    def forward(self, idx):
+        h = self.embed(idx).mean(1)
+        return self.out(self.again(self.ln(self.body(self.stats(self.bn(h))))))
+
+
+def checkpoint_brute_force(model):
+    """Keys of ts.state_dict by brute force: trainable parameters at their first path, and the
+    persistent buffers of modules owning a trainable parameter directly or of parameter-less
+    norms tracking statistics; each tensor once, in model.state_dict() order."""
+    keep, seen = set(), set()
+    for mpath, mod in model.named_modules():
+        own = list(mod.parameters(recurse=False))
+        stats = (isinstance(mod, nn.modules.batchnorm._NormBase) and mod.track_running_stats
+                 and not own)
+        for name, p in mod.named_parameters(recurse=False):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                keep.add(f"{mpath}.{name}" if mpath else name)
+        if stats or any(p.requires_grad for p in own):
+            for name, b in mod.named_buffers(recurse=False):
+                if name not in mod._non_persistent_buffers_set and id(b) not in seen:
+                    seen.add(id(b))
+                    keep.add(f"{mpath}.{name}" if mpath else name)
+    return [k for k in model.state_dict() if k in keep]
+
+
+@pytest.mark.parametrize("frozen", [(), ("embed",), ("bn", "body"), ("ln",), ("*",)])
+def test_checkpoint_keys_match_brute_force(frozen):
+    model = Ckpt()
+    if frozen:
+        ts.freeze(model, *frozen)
+    state = ts.state_dict(model)
+    assert list(state) == checkpoint_brute_force(model)
+    assert all(not model.get_parameter(k).requires_grad for k in model.state_dict()
+               if k not in state and k in dict(model.named_parameters(remove_duplicate=False))
+               and k not in ("out.weight", "again.weight", "again.bias"))
+    for k, t in state.items():  # shares storage, detached
+        assert not t.requires_grad and t.data_ptr() == model.state_dict()[k].data_ptr()
+    if not frozen:
+        assert "out.weight" not in state and "again.weight" not in state  # tied once
+        assert "root" not in state and "body.cache" not in state and "body.scale" in state
+
+
+def test_checkpoint_round_trip_torch_save_and_deepcopy():
+    torch.manual_seed(0)
+    model = Ckpt()
+    ts.freeze(model, "embed")
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randint(0, 6, (5, 3))).sum().backward()
+        opt.step()
+    twin = copy.deepcopy(model)  # a copy: plain PyTorch, flags copied
+    assert list(ts.state_dict(twin)) == list(ts.state_dict(model))
+    buf = io.BytesIO()
+    torch.save(ts.state_dict(model), buf)
+    buf.seek(0)
+    torch.manual_seed(0)
+    fresh = Ckpt()  # same embedding (same seed), everything else reloaded
+    ts.freeze(fresh, "embed")
+    assert ts.load_state_dict(fresh, torch.load(buf)) == ([], [])
+    for k, v in model.state_dict().items():
+        if k != "root":
+            assert torch.equal(fresh.state_dict()[k], v), k
+    model.eval(), fresh.eval()
+    idx = torch.randint(0, 6, (2, 3))
+    assert torch.equal(model(idx), fresh(idx))
+
+
+def state_snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same_state(model, snap):
+    return all(torch.equal(v, snap[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("bad", [
+    ("ln.wieght", torch.ones(4), "'ln.wieght'.*closest.*'ln.weight'"),
+    ("bn.weight", torch.ones(5), r"'bn.weight': shape \(5,\)"),
+    ("bn.num_batches_tracked", torch.tensor(1.0), "dtype torch.float32"),
+    ("body.cache", torch.ones(4), "'body.cache' is not a parameter or buffer"),
+    ("again.weight", torch.full((4,), 7.0), "same tensor .tied."),
+    ("body.weight", torch.ones(4, 4).to_sparse(), "layout"),
+    ("body.weight", torch.empty(4, 4, device="meta"), "meta"),
+    ("body.weight", [[1.0] * 4] * 4, "expected a tensor"),
+])
+@pytest.mark.parametrize("strict", [True, False])
+def test_checkpoint_bad_entry_anywhere_writes_nothing(bad, strict):
+    torch.manual_seed(0)
+    model = Ckpt()
+    good = {k: torch.full_like(v, 3) for k, v in ts.state_dict(model).items()}
+    key, value, words = bad
+    for where in ("first", "last"):
+        state = dict(good)
+        state.pop(key, None)
+        state = {key: value, **state} if where == "first" else {**state, key: value}
+        snap = state_snapshot(model)
+        with pytest.raises(ValueError, match=words):
+            ts.load_state_dict(model, state, strict=strict)
+        assert same_state(model, snap), where
+
+
+def test_checkpoint_missing_keys_strict_and_not():
+    model = Ckpt()
+    state = {k: torch.full_like(v, 2) for k, v in ts.state_dict(model).items()}
+    del state["bn.running_var"]
+    snap = state_snapshot(model)
+    with pytest.raises(ValueError, match=r"missing 1 key.*'bn.running_var'.*strict=False"):
+        ts.load_state_dict(model, state)
+    assert same_state(model, snap)
+    got = ts.load_state_dict(model, state, strict=False)
+    assert got.missing_keys == ["bn.running_var"] and got.unexpected_keys == []
+    assert torch.equal(model.bn.running_var, snap["bn.running_var"])
+    assert torch.equal(model.bn.weight, torch.full((4,), 2.0))
+    # a tied parameter given under its other path counts as present
+    state["bn.running_var"] = torch.ones(4)
+    state["out.weight"] = state.pop("embed.weight")
+    assert ts.load_state_dict(model, state) == ([], [])
+    assert torch.equal(model.embed.weight, torch.full((6, 4), 2.0))
+    # a frozen parameter may be given (a full state dict loads), it is not required
+    ts.freeze(model, "body")
+    assert "body.weight" not in ts.state_dict(model)
+    assert ts.load_state_dict(model, model.state_dict()) == ([], [])
+
+
+def test_checkpoint_model_built_under_inference_mode_refused_before_any_write():
+    with torch.inference_mode():
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    state = {k: torch.ones_like(v.clone()) for k, v in model.state_dict().items()}
+    with torch.inference_mode():
+        snap = state_snapshot(model)
+    with pytest.raises(ValueError, match="inference_mode"):
+        ts.load_state_dict(model, state)
+    with torch.inference_mode():
+        assert same_state(model, snap)
+        ts.load_state_dict(model, state)  # inside it, it loads
+        assert torch.equal(model[1].weight, torch.ones(2, 2))
+
+
+def test_checkpoint_peft_adapters_round_trip():
+    peft = pytest.importorskip("peft")
+
+    def wrapped():
+        return peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(
+            r=2, target_modules=["c_attn"], fan_in_fan_out=True, init_lora_weights=False))
+
+    model = wrapped()
+    state = ts.state_dict(model)
+    assert list(state) == checkpoint_brute_force(model)
+    assert set(state) == {n for n, p in model.named_parameters() if p.requires_grad}
+    again = wrapped()
+    with torch.no_grad():
+        for name, p in again.named_parameters():
+            if "lora_" in name:
+                p.add_(1.0)  # other adapter weights
+    ids = torch.randint(0, 40, (1, 4))
+    model.eval(), again.eval()  # no dropout
+    assert not torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+    ts.load_state_dict(again, state)
+    assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
