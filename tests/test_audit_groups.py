@@ -78,7 +78,8 @@ def norm_exempt_brute_force(model):
              nn.LocalResponseNorm)
     out = set()
     for mpath, mod in model.named_modules(remove_duplicate=False):
-        is_norm = isinstance(mod, norms) or re.search(r"Norm(\d*d|\d+)?$", type(mod).__name__)
+        is_norm = isinstance(mod, norms) or re.search(r"Norm(\d*d|\d+P?|Gated)?$",
+                                                      type(mod).__name__)
         for name, p in mod.named_parameters(recurse=False):
             if is_norm or name == "bias" or name.endswith("_bias") or name.startswith("bias_"):
                 out.add(id(p))
@@ -273,6 +274,23 @@ def test_param_groups_hf_norm_classes_built_from_config():
         for path, g in by_path.items():
             p = model.get_parameter(path)
             assert (g["weight_decay"] == 0.0) == (id(p) in exempt), path
+
+
+def test_param_groups_gated_and_1p_norms_of_hf_models_are_norms():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.mamba2.modeling_mamba2 import MambaRMSNormGated
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    model = nn.ModuleDict({"mixer": nn.ModuleDict({"norm": MambaRMSNormGated(4, 4),
+                                                   "proj": nn.Linear(4, 4, bias=False)}),
+                           "ln": NemotronLayerNorm1P(4)})
+    assert ts.is_norm(model["mixer"]["norm"]) and ts.is_norm(model["ln"])
+    zero = {n for g in ts.param_groups(model, weight_decay=0.1) if g["weight_decay"] == 0.0
+            for n in g["param_names"]}
+    assert zero == {"mixer.norm.weight", "ln.weight", "ln.bias"}
+    # names that only contain Norm are not norms
+    for name in ("RobertaPreLayerNormEmbeddings", "Normalizer", "NormalEstimator"):
+        assert not ts.is_norm(type(name, (nn.Module,), {})())
 
 
 @pytest.mark.parametrize("make", [tiny_bert, tiny_gpt2])

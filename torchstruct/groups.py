@@ -40,7 +40,7 @@ _TORCH_NORMS = tuple(
         getattr(nn, "RMSNorm", None),
     ) if cls is not None
 )
-_NORM_NAME = re.compile(r"Norm(\d*d|\d+)?$")
+_NORM_NAME = re.compile(r"Norm(\d*d|\d+P?|Gated)?$")
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -48,8 +48,9 @@ def is_norm(module: nn.Module) -> bool:
 
     True for PyTorch's norm classes (``BatchNorm*``, ``SyncBatchNorm``, ``InstanceNorm*``,
     ``LayerNorm``, ``GroupNorm``, ``LocalResponseNorm``, ``RMSNorm`` and their subclasses) and for
-    any class whose name ends in ``Norm``, optionally followed by digits or ``<digits>d``
-    (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``, ``GroupNorm32``, ``FrozenBatchNorm2d``).
+    any class whose name ends in ``Norm``, optionally followed by digits, ``<digits>d``,
+    ``<digits>P`` or ``Gated`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``,
+    ``GroupNorm32``, ``FrozenBatchNorm2d``, ``NemotronLayerNorm1P``, ``MambaRMSNormGated``).
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
