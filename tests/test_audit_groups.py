@@ -756,3 +756,16 @@ def test_checkpoint_peft_adapters_round_trip():
     assert not torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
     ts.load_state_dict(again, state)
     assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+
+
+def test_param_groups_tensor_lr_as_torch_optimizers_take_it():
+    model = nn.Sequential(nn.Linear(2, 2))
+    lr = torch.tensor(0.01)
+    groups = ts.param_groups(model, ("0.weight", {"lr": lr}))
+    assert groups[0]["lr"] is lr  # kept as given
+    for cls in (torch.optim.AdamW, ts.optim.AdamW):
+        cls(ts.param_groups(model, ("0.weight", {"lr": lr})), lr=0.1)
+    for bad, error in [(torch.tensor(-1.0), ValueError), (torch.tensor(float("nan")), ValueError),
+                       (torch.ones(2), TypeError), (torch.tensor(True), TypeError)]:
+        with pytest.raises(error, match="rule 0: lr"):
+            ts.param_groups(model, ("0.weight", {"lr": bad}))

@@ -18,6 +18,7 @@ import numbers
 import re
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from .select import ParamIndex, _closest, index, select
@@ -32,6 +33,7 @@ _KNOWN_OPTIONS = frozenset({
     "t0", "decoupled_weight_decay", "momentum_decay", "etas", "step_sizes", "max_lr", "min_lr",
 })
 _RESERVED = ("params", "param_names")
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 _TORCH_NORMS = tuple(
     cls for cls in (
@@ -93,7 +95,11 @@ def _auto_no_decay(model: nn.Module) -> list:
 
 
 def _check_number(value, what: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    """``value`` as a float: a real number, or a one-element real tensor (torch's optimizers take
+    a tensor ``lr``); anything else raises."""
+    tensor = (isinstance(value, torch.Tensor) and value.numel() == 1
+              and (value.is_floating_point() or value.dtype in _INT_DTYPES))
+    if not tensor and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise TypeError(f"param_groups: {where}: {what} must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value) or value < 0:
@@ -194,8 +200,8 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
 
     Raises:
         ValueError: a rule or ``no_decay`` selecting nothing (naming it and the closest
-            paths), a negative or
-            non-finite ``lr`` / ``lr_scale`` / ``weight_decay``, an option that looks like a
+            paths), a negative or non-finite ``lr`` / ``lr_scale`` / ``weight_decay`` (numbers,
+            or one-element tensors as torch's optimizers allow), an option that looks like a
             typo of a known one, ``params`` or ``param_names`` among the options.
         TypeError: a rule that is not a pair, options that are not a dict, a bad selector,
             a ``no_weight_decay()`` that returns a str or names that are not str.
