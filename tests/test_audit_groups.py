@@ -769,3 +769,11 @@ def test_param_groups_tensor_lr_as_torch_optimizers_take_it():
                        (torch.ones(2), TypeError), (torch.tensor(True), TypeError)]:
         with pytest.raises(error, match="rule 0: lr"):
             ts.param_groups(model, ("0.weight", {"lr": bad}))
+
+
+def test_layer_decay_named_stack_without_parameters_is_an_error():
+    model = nn.Sequential(nn.Linear(2, 2), nn.ModuleList(), nn.ModuleList([nn.ReLU(), nn.ReLU()]),
+                          nn.Linear(2, 2))
+    for stack in ("1", "2"):  # all parameters would land in "layer 0" at decay ** 1
+        with pytest.raises(ValueError, match=f"stack '{stack}' has no parameters"):
+            ts.layer_decay(model, 0.5, layers=stack)

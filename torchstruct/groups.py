@@ -365,7 +365,7 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
 
     Raises:
         ValueError: ``decay`` outside (0, 1]; ``layers`` not a list of blocks of the model
-            (naming the closest module paths); no stack found, several stacks side by side
+            (naming the closest module paths) or one without parameters; no stack found, several stacks side by side
             (an encoder and a decoder, two towers), or one holding a longer stack in a block
             (stages of blocks); the message names them.
         TypeError: ``decay`` not a number, ``layers`` of a wrong type.
@@ -388,6 +388,9 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
     blocks = [f"{name}.{child}" for child, _ in stack.named_children()]
     n = len(blocks)
     idx = index(model)
+    if not select(model, name, strict=False, idx=idx):
+        raise ValueError(f"layer_decay: the layer stack {name!r} has no parameters (an empty "
+                         f"list, or blocks without parameters); name another with layers=")
     before, after, seen_stack = [], [], False
     for path, _ in idx:  # canonical paths: a tied parameter sits at its first path
         if path.startswith(name + "."):
