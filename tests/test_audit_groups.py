@@ -777,3 +777,30 @@ def test_layer_decay_named_stack_without_parameters_is_an_error():
     for stack in ("1", "2"):  # all parameters would land in "layer 0" at decay ** 1
         with pytest.raises(ValueError, match=f"stack '{stack}' has no parameters"):
             ts.layer_decay(model, 0.5, layers=stack)
+
+
+# ---------------------------------------------------------------------------- ts.summary
+def test_summary_counts_match_brute_force_and_write_nothing():
+    model = Net()
+    ts.freeze(model, "blocks.1", "lstm")
+    before = flags(model)
+    s = ts.summary(model)
+    assert flags(model) == before
+    unique = {id(p): p for p in model.parameters()}.values()
+    assert s.counts == (sum(p.numel() for p in unique if p.requires_grad),
+                        sum(p.numel() for p in unique))
+    rows = {r.path: r for r in s.rows}
+    for name, child in model.named_children():  # per child: its parameters not seen earlier
+        if name == "shared":
+            assert rows[name].tied_to == "blocks.0"
+            continue
+        seen = {id(p) for earlier, c in model.named_children() if earlier != name
+                for p in c.parameters()
+                if list(dict(model.named_children())).index(earlier)
+                < list(dict(model.named_children())).index(name)}
+        own = [p for p in child.parameters() if id(p) not in seen]
+        row = rows[name]
+        assert (row.trainable, row.total) == (sum(p.numel() for p in own if p.requires_grad),
+                                              sum(p.numel() for p in own)), name
+    assert rows["head.weight"].tied_to == "embed.weight"
+    assert str(s).splitlines()[-1].startswith("trainable ")
