@@ -804,3 +804,18 @@ def test_summary_counts_match_brute_force_and_write_nothing():
                                               sum(p.numel() for p in own)), name
     assert rows["head.weight"].tied_to == "embed.weight"
     assert str(s).splitlines()[-1].startswith("trainable ")
+
+
+def test_layer_decay_block_names_with_glob_characters_are_names():
+    from collections import OrderedDict
+
+    stack = nn.Sequential(OrderedDict([("a[1]", nn.Linear(2, 2)), ("a1", nn.Linear(2, 2)),
+                                       ("b*", nn.Linear(2, 2))]))
+    model = nn.Sequential(nn.Linear(2, 2), stack)
+    groups = ts.param_groups(model, *ts.layer_decay(model, 0.5, layers="1"))
+    ids, n = layer_ids_brute_force(model, "1")
+    order = {name: i for i, name in enumerate(stack._modules)}  # ids by position, not digits
+    for path in ids:
+        if path.startswith("1."):
+            ids[path] = order[path.split(".")[1]] + 1
+    assert scales_of(groups) == {path: 0.5 ** (n + 1 - layer) for path, layer in ids.items()}

@@ -388,7 +388,7 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
     blocks = [f"{name}.{child}" for child, _ in stack.named_children()]
     n = len(blocks)
     idx = index(model)
-    if not select(model, name, strict=False, idx=idx):
+    if not select(model, glob.escape(name), strict=False, idx=idx):
         raise ValueError(f"layer_decay: the layer stack {name!r} has no parameters (an empty "
                          f"list, or blocks without parameters); name another with layers=")
     before, after, seen_stack = [], [], False
@@ -401,8 +401,9 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
     if before:
         rules.append((before, {"lr_scale": decay ** (n + 1), "name": "layer 0"}))
     for i, block in enumerate(blocks, start=1):
-        if select(model, block, idx=idx):
-            rules.append((block, {"lr_scale": decay ** (n + 1 - i), "name": block}))
+        sel = glob.escape(block)  # a block named "a[1]" is that block, not a pattern
+        if select(model, sel, idx=idx):
+            rules.append((sel, {"lr_scale": decay ** (n + 1 - i), "name": block}))
     if after:
         rules.append((after, {"lr_scale": 1.0, "name": f"layer {n + 1}"}))
     return rules
