@@ -45,6 +45,8 @@ class Net(nn.Module):
         self.rms = nn.RMSNorm(4)
         self.ln_nobias = nn.LayerNorm(4, bias=False)
         self.ln_plain = nn.LayerNorm(4, elementwise_affine=False)
+        self.inst = nn.InstanceNorm1d(4, affine=True)
+        self.lrn = nn.LocalResponseNorm(2)
         self.lstm = nn.LSTM(4, 4)
         self.head = nn.Linear(4, 10)
         self.head.weight = self.embed.weight  # tied: canonical path embed.weight
@@ -253,7 +255,7 @@ def test_param_groups_auto_no_decay_matches_brute_force_on_every_norm_class():
     for path, g in by_path.items():
         p = model.get_parameter(path)
         assert (g["weight_decay"] == 0.0) == (id(p) in exempt), path
-    for path in ("rms.weight", "gn.weight", "gn.bias", "bn.weight", "ln_nobias.weight",
+    for path in ("rms.weight", "gn.weight", "gn.bias", "bn.weight", "ln_nobias.weight", "inst.bias",
                  "lstm.bias_ih_l0", "blocks.0.norm.weight"):
         assert by_path[path]["weight_decay"] == 0.0, path
     for path in ("embed.weight", "pos", "lstm.weight_ih_l0", "blocks.2.fc.weight"):
@@ -819,3 +821,27 @@ def test_layer_decay_block_names_with_glob_characters_are_names():
         if path.startswith("1."):
             ids[path] = order[path.split(".")[1]] + 1
     assert scales_of(groups) == {path: 0.5 ** (n + 1 - layer) for path, layer in ids.items()}
+
+
+def test_param_groups_no_decay_selector_replaces_auto_and_none_decays_everything():
+    model = Net()
+    groups = ts.param_groups(model, weight_decay=0.1, no_decay="blocks.*.fc.bias")
+    zero = {n for g in groups if g["weight_decay"] == 0.0 for n in g["param_names"]}
+    assert zero == {"blocks.0.fc.bias", "blocks.1.fc.bias", "blocks.2.fc.bias"}
+    groups = ts.param_groups(model, ("head", {"lr": 1.0}), weight_decay=0.1, no_decay=None)
+    assert [g["name"] for g in groups] == ["head", "default"]
+    assert all(g["weight_decay"] == 0.1 for g in groups)
+    groups = ts.param_groups(model, no_decay=None)  # no weight_decay=: the key is left out
+    assert len(groups) == 1 and "weight_decay" not in groups[0]
+
+
+def test_schedule_strict_false_allows_a_selector_that_matches_nothing():
+    model = tower()
+    with pytest.raises(ValueError, match="milestone 2.*'blokcs.1'"):
+        ts.UnfreezeSchedule(model, {0: "head", 2: "blokcs.1"})
+    schedule = ts.UnfreezeSchedule(model, {0: "head", 2: "blokcs.1"}, strict=False)
+    schedule.step()
+    schedule.step()
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["head.weight",
+                                                                        "head.bias"]
+    schedule.close()
