@@ -845,3 +845,21 @@ def test_schedule_strict_false_allows_a_selector_that_matches_nothing():
     assert [n for n, p in model.named_parameters() if p.requires_grad] == ["head.weight",
                                                                         "head.bias"]
     schedule.close()
+
+
+def test_param_groups_parametrized_biases_and_norm_weights_are_not_decayed():
+    from torch.nn.utils import parametrize
+    from torch.nn.utils.parametrizations import weight_norm
+
+    class Same(nn.Module):
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2), nn.Linear(2, 2))
+    parametrize.register_parametrization(model[0], "bias", Same())
+    parametrize.register_parametrization(model[1], "weight", Same())
+    weight_norm(model[2])
+    zero = {n for g in ts.param_groups(model, weight_decay=0.1) if g["weight_decay"] == 0.0
+            for n in g["param_names"]}
+    assert zero == {"0.parametrizations.bias.original", "1.bias",
+                    "1.parametrizations.weight.original", "2.bias"}

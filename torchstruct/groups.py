@@ -63,8 +63,21 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(module, _TORCH_NORMS) or bool(_NORM_NAME.search(type(module).__name__))
 
 
-def _is_bias(path: str) -> bool:
-    name = path.rsplit(".", 1)[-1]
+# torch.nn.utils.parametrize moves ``m.weight`` to ``m.parametrizations.weight.original`` (or
+# ``original0``, ``original1``, ...): the tensor still stands for ``m``'s ``weight``.
+_PARAMETRIZED = re.compile(r"(?:(.*)\.)?parametrizations\.([^.]+)\.original\d*")
+
+
+def _owner_and_name(path: str) -> tuple[str, str]:
+    """The module path and the parameter name a parameter path stands for."""
+    m = _PARAMETRIZED.fullmatch(path)
+    if m:
+        return m.group(1) or "", m.group(2)
+    parent, _, name = path.rpartition(".")
+    return parent, name
+
+
+def _is_bias(name: str) -> bool:
     return name == "bias" or name.endswith("_bias") or name.startswith("bias_")
 
 
@@ -73,8 +86,8 @@ def _auto_no_decay(model: nn.Module) -> list:
     norms = {name for name, m in model.named_modules(remove_duplicate=False) if is_norm(m)}
 
     def bias_or_norm(path: str, _p) -> bool:
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
-        return _is_bias(path) or parent in norms
+        parent, name = _owner_and_name(path)
+        return _is_bias(name) or parent in norms
 
     bias_or_norm.__name__ = "biases and norms"
     named = []  # the timm convention: a module's no_weight_decay() names (paths, prefixes or
@@ -184,7 +197,8 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
             the key out (the optimizer's default applies).
         no_decay: which parameters get no weight decay. ``"auto"``: biases (a last path
             component ``bias``, ``*_bias`` or ``bias_*``), every direct parameter of a
-            normalization layer (see :func:`is_norm`) and the names returned by the
+            normalization layer (see :func:`is_norm`; a parametrized one too, read through
+            ``parametrizations.<name>.original``) and the names returned by the
             ``no_weight_decay()`` method of the model or any submodule (the timm convention;
             parameter paths, module prefixes or glob patterns such as ``"*.gamma"``, relative
             to that module). A selector replaces that rule; ``None`` decays everything.
