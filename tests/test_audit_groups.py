@@ -863,3 +863,14 @@ def test_param_groups_parametrized_biases_and_norm_weights_are_not_decayed():
             for n in g["param_names"]}
     assert zero == {"0.parametrizations.bias.original", "1.bias",
                     "1.parametrizations.weight.original", "2.bias"}
+
+
+def test_layer_decay_stack_with_parameters_of_its_own_is_an_error():
+    class Blocks(nn.ModuleList):
+        def __init__(self):
+            super().__init__([nn.Linear(2, 2) for _ in range(3)])
+            self.scale = nn.Parameter(torch.ones(2))  # in the stack, in no block
+
+    model = nn.Sequential(nn.Linear(2, 2), Blocks(), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"'1' holds parameters of its own.*'1.scale'"):
+        ts.layer_decay(model, 0.5, layers="1")

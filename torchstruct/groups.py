@@ -379,7 +379,8 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
 
     Raises:
         ValueError: ``decay`` outside (0, 1]; ``layers`` not a list of blocks of the model
-            (naming the closest module paths) or one without parameters; no stack found, several stacks side by side
+            (naming the closest module paths), one without parameters or one holding
+            parameters of its own outside its blocks; no stack found, several stacks side by side
             (an encoder and a decoder, two towers), or one holding a longer stack in a block
             (stages of blocks); the message names them.
         TypeError: ``decay`` not a number, ``layers`` of a wrong type.
@@ -405,12 +406,18 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
     if not select(model, glob.escape(name), strict=False, idx=idx):
         raise ValueError(f"layer_decay: the layer stack {name!r} has no parameters (an empty "
                          f"list, or blocks without parameters); name another with layers=")
-    before, after, seen_stack = [], [], False
+    before, after, seen_stack, loose = [], [], False, []
     for path, _ in idx:  # canonical paths: a tied parameter sits at its first path
         if path.startswith(name + "."):
             seen_stack = True
+            if not any(path.startswith(block + ".") for block in blocks):
+                loose.append(path)
         else:
             (after if seen_stack else before).append(glob.escape(path))
+    if loose:
+        raise ValueError(f"layer_decay: the layer stack {name!r} holds parameters of its own, in "
+                         f"no block ({', '.join(map(repr, loose[:5]))}), which have no layer id; "
+                         f"give them a rule of their own before the layer-decay rules")
     rules = []
     if before:
         rules.append((before, {"lr_scale": decay ** (n + 1), "name": "layer 0"}))
