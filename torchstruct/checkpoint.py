@@ -135,6 +135,12 @@ def _problem(path: str, value, target: torch.Tensor) -> str | None:
         )
     if value.layout != target.layout:
         return f"{path!r}: layout {value.layout} in the state, {target.layout} in the model"
+    if target.is_inference() and not torch.is_inference_mode_enabled():
+        return (
+            f"{path!r}: the model's tensor was created under torch.inference_mode() and cannot "
+            "be written outside it; load inside torch.inference_mode() or rebuild the model "
+            "outside it"
+        )
     return None
 
 

@@ -18,6 +18,7 @@ import numbers
 import re
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from .select import ParamIndex, _closest, index, select
@@ -32,6 +33,7 @@ _KNOWN_OPTIONS = frozenset({
     "t0", "decoupled_weight_decay", "momentum_decay", "etas", "step_sizes", "max_lr", "min_lr",
 })
 _RESERVED = ("params", "param_names")
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 _TORCH_NORMS = tuple(
     cls for cls in (
@@ -40,7 +42,7 @@ _TORCH_NORMS = tuple(
         getattr(nn, "RMSNorm", None),
     ) if cls is not None
 )
-_NORM_NAME = re.compile(r"Norm(\d*d|\d+)?$")
+_NORM_NAME = re.compile(r"Norm(\d*d|\d+P?|Gated)?$")
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -48,8 +50,9 @@ def is_norm(module: nn.Module) -> bool:
 
     True for PyTorch's norm classes (``BatchNorm*``, ``SyncBatchNorm``, ``InstanceNorm*``,
     ``LayerNorm``, ``GroupNorm``, ``LocalResponseNorm``, ``RMSNorm`` and their subclasses) and for
-    any class whose name ends in ``Norm``, optionally followed by digits or ``<digits>d``
-    (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``, ``GroupNorm32``, ``FrozenBatchNorm2d``).
+    any class whose name ends in ``Norm``, optionally followed by digits, ``<digits>d``,
+    ``<digits>P`` or ``Gated`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``,
+    ``GroupNorm32``, ``FrozenBatchNorm2d``, ``NemotronLayerNorm1P``, ``MambaRMSNormGated``).
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
@@ -60,8 +63,21 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(module, _TORCH_NORMS) or bool(_NORM_NAME.search(type(module).__name__))
 
 
-def _is_bias(path: str) -> bool:
-    name = path.rsplit(".", 1)[-1]
+# torch.nn.utils.parametrize moves ``m.weight`` to ``m.parametrizations.weight.original`` (or
+# ``original0``, ``original1``, ...): the tensor still stands for ``m``'s ``weight``.
+_PARAMETRIZED = re.compile(r"(?:(.*)\.)?parametrizations\.([^.]+)\.original\d*")
+
+
+def _owner_and_name(path: str) -> tuple[str, str]:
+    """The module path and the parameter name a parameter path stands for."""
+    m = _PARAMETRIZED.fullmatch(path)
+    if m:
+        return m.group(1) or "", m.group(2)
+    parent, _, name = path.rpartition(".")
+    return parent, name
+
+
+def _is_bias(name: str) -> bool:
     return name == "bias" or name.endswith("_bias") or name.startswith("bias_")
 
 
@@ -70,24 +86,33 @@ def _auto_no_decay(model: nn.Module) -> list:
     norms = {name for name, m in model.named_modules(remove_duplicate=False) if is_norm(m)}
 
     def bias_or_norm(path: str, _p) -> bool:
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
-        return _is_bias(path) or parent in norms
+        parent, name = _owner_and_name(path)
+        return _is_bias(name) or parent in norms
 
     bias_or_norm.__name__ = "biases and norms"
-    named = []  # the timm convention: a module's no_weight_decay() names (paths or prefixes)
-    for prefix, m in model.named_modules():
+    named = []  # the timm convention: a module's no_weight_decay() names (paths, prefixes or
+    for prefix, m in model.named_modules():  # fnmatch patterns), relative to the module
         fn = getattr(m, "no_weight_decay", None)
         if callable(fn):
-            for name in fn():
+            names = fn()
+            if isinstance(names, str):  # iterating it would give its letters
+                raise TypeError(f"param_groups: {type(m).__name__}.no_weight_decay() returned "
+                                f"the str {names!r}; return a collection of names, e.g. "
+                                f"{{{names!r}}}")
+            for name in names:
                 if not isinstance(name, str):
                     raise TypeError(f"param_groups: {type(m).__name__}.no_weight_decay() "
                                     f"returned {name!r}, not a str")
-                named.append(glob.escape(f"{prefix}.{name}" if prefix else name))
+                named.append(f"{glob.escape(prefix)}.{name}" if prefix else name)
     return [bias_or_norm, *named]
 
 
 def _check_number(value, what: str, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    """``value`` as a float: a real number, or a one-element real tensor (torch's optimizers take
+    a tensor ``lr``); anything else raises."""
+    tensor = (isinstance(value, torch.Tensor) and value.numel() == 1
+              and (value.is_floating_point() or value.dtype in _INT_DTYPES))
+    if not tensor and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise TypeError(f"param_groups: {where}: {what} must be a number, got {value!r}")
     value = float(value)
     if not math.isfinite(value) or value < 0:
@@ -172,10 +197,11 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
             the key out (the optimizer's default applies).
         no_decay: which parameters get no weight decay. ``"auto"``: biases (a last path
             component ``bias``, ``*_bias`` or ``bias_*``), every direct parameter of a
-            normalization layer (see :func:`is_norm`) and the names returned by the
+            normalization layer (see :func:`is_norm`; a parametrized one too, read through
+            ``parametrizations.<name>.original``) and the names returned by the
             ``no_weight_decay()`` method of the model or any submodule (the timm convention;
-            parameter paths or module prefixes, relative to that module). A selector replaces
-            that rule; ``None`` decays everything.
+            parameter paths, module prefixes or glob patterns such as ``"*.gamma"``, relative
+            to that module). A selector replaces that rule; ``None`` decays everything.
         strict: when True (default), a rule (or ``no_decay`` selector) that selects no
             parameter raises.
 
@@ -187,10 +213,12 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
         Empty groups are left out. Rules come first in their order, the default group last.
 
     Raises:
-        ValueError: a rule selecting nothing (naming the closest paths), a negative or
-            non-finite ``lr`` / ``lr_scale`` / ``weight_decay``, an option that looks like a
+        ValueError: a rule or ``no_decay`` selecting nothing (naming it and the closest
+            paths), a negative or non-finite ``lr`` / ``lr_scale`` / ``weight_decay`` (numbers,
+            or one-element tensors as torch's optimizers allow), an option that looks like a
             typo of a known one, ``params`` or ``param_names`` among the options.
-        TypeError: a rule that is not a pair, options that are not a dict, a bad selector.
+        TypeError: a rule that is not a pair, options that are not a dict, a bad selector,
+            a ``no_weight_decay()`` that returns a str or names that are not str.
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
@@ -209,21 +237,26 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
         weight_decay = _check_number(weight_decay, "weight_decay", "argument")
     checked = [_check_rule(rule, i) for i, rule in enumerate(rules)]
     idx = index(model)
-    chosen = [_picked(model, sel, i, strict, idx) for i, (sel, _) in enumerate(checked)]
+    chosen = [_picked(model, sel, f"rule {i}", strict, idx)
+              for i, (sel, _) in enumerate(checked)]
     exempt = _exempt(model, no_decay, strict, idx)
     specs = [(options, options.get("name") or _describe(sel, model, idx))
              for sel, options in checked] + [({}, "default")]
     return _build(specs, _assign(idx, chosen), exempt, weight_decay)
 
 
-def _picked(model: nn.Module, sel, i: int, strict: bool, idx: ParamIndex) -> set:
-    """ids of the parameters rule ``i`` selects; with ``strict``, an empty rule raises."""
-    picked = {id(p) for _, p in select(model, sel, strict=strict, idx=idx)}
+def _picked(model: nn.Module, sel, what: str, strict: bool, idx: ParamIndex) -> set:
+    """ids of the parameters that ``sel`` (``what``: "rule 0", "no_decay") selects; with
+    ``strict``, selecting nothing raises. Errors name ``what``."""
+    try:
+        picked = {id(p) for _, p in select(model, sel, strict=strict, idx=idx)}
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"param_groups: {what}: {e}") from None
     if strict and not picked:
-        what = _describe(sel, model, idx)
-        raise ValueError(f"param_groups: rule {i} ({what!r}) selects no parameter; closest "
-                         f"paths: {_closest(what, idx.all_paths())} (pass strict=False to allow "
-                         f"an empty rule)")
+        name = _describe(sel, model, idx)
+        raise ValueError(f"param_groups: {what} ({name!r}) selects no parameter; closest "
+                         f"paths: {_closest(name, idx.all_paths())} (pass strict=False to allow "
+                         f"an empty selection)")
     return picked
 
 
@@ -233,7 +266,7 @@ def _exempt(model: nn.Module, no_decay, strict: bool, idx: ParamIndex) -> set:
         return {id(p) for _, p in select(model, _auto_no_decay(model), strict=False, idx=idx)}
     if no_decay is None:
         return set()
-    return {id(p) for _, p in select(model, no_decay, strict=strict, idx=idx)}
+    return _picked(model, no_decay, "no_decay", strict, idx)
 
 
 def _assign(idx: ParamIndex, chosen: list) -> list:
@@ -304,15 +337,20 @@ def _find_stack(model: nn.Module, layers) -> tuple[str, nn.Module]:
     if not found:
         raise ValueError("layer_decay: the model has no nn.ModuleList or nn.Sequential of two "
                          "or more blocks of one type; name the layer stack with layers=")
-    most = max(len(m) for _, m in found)
-    best = [(n, m) for n, m in found if len(m) == most]
-    # of stacks of one size nested in one another (per-head lists inside blocks), the outermost
-    best = [(n, m) for n, m in best if not any(n.startswith(o + ".") for o, _ in best)]
-    if len(best) > 1:
-        names = ", ".join(repr(n) for n, _ in best)
-        raise ValueError(f"layer_decay: several layer stacks of {most} blocks: {names}; "
+    inside = lambda n, o: n.startswith(o + ".")  # noqa: E731
+    outer = [(n, m) for n, m in found if not any(inside(n, o) for o, _ in found)]
+    if len(outer) > 1:  # side by side (an encoder and a decoder, two towers, a head)
+        names = ", ".join(repr(n) for n, _ in outer)
+        sizes = ", ".join(str(len(m)) for _, m in outer)
+        raise ValueError(f"layer_decay: several layer stacks: {names} (of {sizes} blocks); "
                          f"pick one with layers=")
-    return best[0]
+    name, stack = outer[0]
+    larger = [n for n, m in found if inside(n, name) and len(m) > len(stack)]
+    if larger:  # stages of blocks: the stages or the blocks of one stage?
+        raise ValueError(f"layer_decay: the layer stack {name!r} ({len(stack)} blocks) holds "
+                         f"larger stacks ({', '.join(repr(n) for n in larger)}); pick one with "
+                         f"layers=")
+    return name, stack
 
 
 def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
@@ -328,9 +366,10 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
         model: the module.
         decay: the factor between neighbouring layers, in (0, 1].
         layers: the layer stack (an ``nn.ModuleList`` or ``nn.Sequential``), by path
-            (``"encoder.layer"``) or as the module. ``None`` finds it: the largest list of at
-            least two blocks of one type that have parameters (of equal ones nested in each
-            other, the outermost).
+            (``"encoder.layer"``) or as the module. ``None`` finds it: the one list of at least
+            two blocks of one type that have parameters and lies in no other such list (lists
+            inside its blocks, such as per-head or per-expert lists, are ignored when they are
+            not longer than it).
 
     Returns:
         A list of rules ``(selector, {"lr_scale": ..., "name": ...})``: one for the
@@ -340,7 +379,10 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
 
     Raises:
         ValueError: ``decay`` outside (0, 1]; ``layers`` not a list of blocks of the model
-            (naming the closest module paths); no stack found, or several of the largest size.
+            (naming the closest module paths), one without parameters or one holding
+            parameters of its own outside its blocks; no stack found, several stacks side by side
+            (an encoder and a decoder, two towers), or one holding a longer stack in a block
+            (stages of blocks); the message names them.
         TypeError: ``decay`` not a number, ``layers`` of a wrong type.
 
     Example:
@@ -361,18 +403,28 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
     blocks = [f"{name}.{child}" for child, _ in stack.named_children()]
     n = len(blocks)
     idx = index(model)
-    before, after, seen_stack = [], [], False
+    if not select(model, glob.escape(name), strict=False, idx=idx):
+        raise ValueError(f"layer_decay: the layer stack {name!r} has no parameters (an empty "
+                         f"list, or blocks without parameters); name another with layers=")
+    before, after, seen_stack, loose = [], [], False, []
     for path, _ in idx:  # canonical paths: a tied parameter sits at its first path
         if path.startswith(name + "."):
             seen_stack = True
+            if not any(path.startswith(block + ".") for block in blocks):
+                loose.append(path)
         else:
             (after if seen_stack else before).append(glob.escape(path))
+    if loose:
+        raise ValueError(f"layer_decay: the layer stack {name!r} holds parameters of its own, in "
+                         f"no block ({', '.join(map(repr, loose[:5]))}), which have no layer id; "
+                         f"give them a rule of their own before the layer-decay rules")
     rules = []
     if before:
         rules.append((before, {"lr_scale": decay ** (n + 1), "name": "layer 0"}))
     for i, block in enumerate(blocks, start=1):
-        if select(model, block, idx=idx):
-            rules.append((block, {"lr_scale": decay ** (n + 1 - i), "name": block}))
+        sel = glob.escape(block)  # a block named "a[1]" is that block, not a pattern
+        if select(model, sel, idx=idx):
+            rules.append((sel, {"lr_scale": decay ** (n + 1 - i), "name": block}))
     if after:
         rules.append((after, {"lr_scale": 1.0, "name": f"layer {n + 1}"}))
     return rules

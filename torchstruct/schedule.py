@@ -36,6 +36,17 @@ def _milestone_step(key) -> int:
     return step
 
 
+def _saved_int(value) -> int | None:
+    """``value`` as an int (a Python or NumPy integer, an integer tensor of one element), or
+    None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _milestone_selectors(model: nn.Module, step: int, value, strict: bool):
     """A milestone's value -> ``_EVERYTHING`` or a tuple of selectors, checked against ``model``."""
     if value is None or (isinstance(value, str) and value == "*"):
@@ -220,13 +231,20 @@ class UnfreezeSchedule:
                 "UnfreezeSchedule.load_state_dict: expected a dict with keys 'step' and "
                 f"'milestones', got {state!r}"
             )
-        step = state["step"]
-        if isinstance(step, bool) or not hasattr(step, "__index__") or operator.index(step) < 0:
+        step = _saved_int(state["step"])
+        if step is None or step < 0:
             raise ValueError(
-                f"UnfreezeSchedule.load_state_dict: 'step' must be an integer >= 0, got {step!r}"
+                "UnfreezeSchedule.load_state_dict: 'step' must be an integer >= 0, got "
+                f"{state['step']!r}"
             )
-        step = operator.index(step)
-        if list(state["milestones"]) != list(self._steps):
+        saved = state["milestones"]
+        steps = [_saved_int(s) for s in saved] if isinstance(saved, (list, tuple)) else [None]
+        if None in steps:
+            raise ValueError(
+                "UnfreezeSchedule.load_state_dict: 'milestones' must be a list of integer "
+                f"steps, got {saved!r}"
+            )
+        if steps != list(self._steps):
             raise ValueError(
                 "UnfreezeSchedule.load_state_dict: the state was saved by a schedule with "
                 f"milestones at steps {list(state['milestones'])}, this one has "
