@@ -54,6 +54,16 @@ def _number(value, what: str) -> float:
         raise ValueError(f"{what} must be a number, got {value!r}") from None
 
 
+def _max_grad_norm(value, name: str) -> Optional[float]:
+    """``max_grad_norm`` checked: None, or a number >= 0 (``ValueError`` otherwise)."""
+    if value is None:
+        return None
+    number = _number(value, f"{name}: max_grad_norm")
+    if math.isnan(number) or number < 0:
+        raise ValueError(f"{name}: max_grad_norm must be >= 0, got {value!r}")
+    return number
+
+
 def _lr_scale(group: dict, where: str) -> float:
     """The group's ``lr_scale`` (default 1), checked: a finite number >= 0."""
     scale = group.get("lr_scale", 1.0)
@@ -115,10 +125,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
         lr = _number(defaults["lr"], f"{name}: lr")
         if math.isnan(lr) or lr < 0:
             raise ValueError(f"{name}: lr must be >= 0, got {defaults['lr']!r}")
-        if max_grad_norm is not None:
-            max_grad_norm = _number(max_grad_norm, f"{name}: max_grad_norm")
-            if math.isnan(max_grad_norm) or max_grad_norm < 0:
-                raise ValueError(f"{name}: max_grad_norm must be >= 0, got {max_grad_norm!r}")
+        max_grad_norm = _max_grad_norm(max_grad_norm, name)
         norm_type = validate_norm_type(norm_type)
         super().__init__(params, defaults)
         for index, group in enumerate(self.param_groups):
@@ -384,18 +391,20 @@ class MaskedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # the attribute may have been rewritten since construction: checked before any write
+        max_grad_norm = _max_grad_norm(self.max_grad_norm, type(self).__name__)
         plan = self._plan()
         grad_scale, found_inf = self._amp()
 
         clip_coef = None
-        if self.max_grad_norm is not None:
+        if max_grad_norm is not None:
             grads = [p.grad for _, params in plan for p in params]
             if grads:
                 total = _ops.global_norm(grads, self.norm_type)
                 if grad_scale is not None:  # the norm of the unscaled gradients
                     inv = grad_scale.double().reciprocal().float().to(total.device)
                     total = total * inv
-                clip_coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+                clip_coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
             else:
                 total = torch.zeros(())
             self._remember_norm(total)
