@@ -830,10 +830,6 @@ def test_add_param_group_and_zero_grad(backend, cls):
     assert all(same_bits(p.detach(), q) for p, q in zip(a.parameters(), w))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "add_param_group accepts a group with a negative lr (or other bad option) and appends it; "
-    "every later step() then raises on it; expected: ValueError at add_param_group, nothing "
-    "added"))
 @pytest.mark.parametrize("cls", [ts.optim.SGD, ts.optim.AdamW])
 def test_add_param_group_with_bad_options_adds_nothing(cls):
     """A group with a negative lr (or another bad option) is refused at add_param_group, and the

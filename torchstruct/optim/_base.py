@@ -127,9 +127,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{name}: lr must be >= 0, got {defaults['lr']!r}")
         max_grad_norm = _max_grad_norm(max_grad_norm, name)
         norm_type = validate_norm_type(norm_type)
-        super().__init__(params, defaults)
-        for index, group in enumerate(self.param_groups):
-            self._check_group(index, group)
+        super().__init__(params, defaults)  # each group checked by add_param_group
         #: the global-norm clip threshold (None: no clipping)
         self.max_grad_norm: Optional[float] = max_grad_norm
         #: the order of that norm
@@ -265,7 +263,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, refusing complex parameters (the fused
-        steps have no complex arithmetic; torch's optimizers step them as real views)."""
+        steps have no complex arithmetic; torch's optimizers step them as real views) and
+        bad hyper-parameters (``ValueError`` naming the group; nothing is added)."""
         params = param_group["params"]
         if not isinstance(params, (torch.Tensor, set)):  # a set: torch's own error follows
             param_group["params"] = params = list(params)  # a generator is read once, here
@@ -281,6 +280,11 @@ class MaskedOptimizer(torch.optim.Optimizer):
                     "parameters (use torch.optim for complex ones, or train a real view: "
                     "torch.view_as_real)")
         super().add_param_group(param_group)
+        try:  # the group as it will step (defaults filled in)
+            self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     def _label(self, param: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
