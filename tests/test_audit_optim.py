@@ -923,13 +923,11 @@ def test_max_grad_norm_set_later_is_checked(backend, cls, options):
     opt.step()  # no clip: fine
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "parameters that share memory (two nn.Parameter views of one tensor) in a later param "
-    "group: step() updates the earlier groups and creates state for the refused group before "
-    "the kernel refuses the shared memory; expected: refused in the plan, before any parameter "
-    "or state is written"))
 @pytest.mark.parametrize("cls,options", OPTIMIZERS, ids=["SGD", "AdamW"])
 def test_shared_memory_parameters_refused_before_any_write(backend, cls, options):
+    """Two parameters of one group on the same memory: refused in the plan, so the earlier
+    groups are not stepped and no state is created (the kernels refuse them too, but only when
+    their group's turn comes)."""
     a = nn.Parameter(torch.ones(3))
     base = torch.zeros(4)
     b, c = nn.Parameter(base), nn.Parameter(base[:2])
@@ -941,16 +939,34 @@ def test_shared_memory_parameters_refused_before_any_write(backend, cls, options
     assert torch.equal(a.detach(), torch.ones(3)) and len(opt.state) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a parameter that is not dense (an expanded tensor): step() creates its zero state (an SGD "
-    "momentum buffer, AdamW moments) before the kernel refuses it, so a later successful step "
-    "is not a first step (with dampening, SGD's next update differs); expected: refused in the "
-    "plan with no state created"))
 @pytest.mark.parametrize("cls,options", OPTIMIZERS, ids=["SGD", "AdamW"])
 def test_non_dense_parameter_refused_without_state(backend, cls, options):
+    """An expanded parameter: refused before its zero state is created (with state, a later
+    step would no longer be a first step: SGD with dampening would differ)."""
     e = nn.Parameter(torch.ones(3).expand(2, 3))
     e.grad = torch.ones(2, 3)
     opt = cls([e], lr=0.1, **options)
     with pytest.raises(RuntimeError, match="dense"):
         opt.step()
     assert len(opt.state) == 0
+
+
+@pytest.mark.parametrize("cls,options", OPTIMIZERS, ids=["SGD", "AdamW"])
+def test_zero_size_and_disjoint_view_parameters_step(backend, cls, options):
+    """What the memory check must not refuse: empty parameters (whatever their data_ptr) and
+    parameters that are disjoint views of one tensor -- both stepped as torch steps them."""
+    base, ref_base = torch.zeros(6), torch.zeros(6)
+    ours = [nn.Parameter(torch.zeros(0)), nn.Parameter(torch.zeros(0, 3)),
+            nn.Parameter(base[:3]), nn.Parameter(base[3:])]
+    theirs = [nn.Parameter(torch.zeros(0)), nn.Parameter(torch.zeros(0, 3)),
+              nn.Parameter(ref_base[:3]), nn.Parameter(ref_base[3:])]
+    a = cls(ours, lr=0.1, **options)
+    b = getattr(torch.optim, cls.__name__)(theirs, lr=0.1, foreach=False, **options)
+    for step in range(3):
+        for ps in (ours, theirs):
+            for i, p in enumerate(ps):
+                p.grad = torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) + step + i
+        a.step()
+        b.step()
+    close(ours, theirs)
+    assert not torch.equal(base, torch.zeros(6))

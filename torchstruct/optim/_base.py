@@ -6,7 +6,8 @@ A step, in order:
    parameters that will be stepped -- ``requires_grad`` true and a ``.grad`` --
    each tensor once (a tied parameter listed in several places is stepped at its
    first place), and check the hyper-parameters of every group, the gradients
-   (dense, a supported dtype) and the masks (shape, dtype, device). Any problem
+   (dense, a supported dtype), the parameters (dense, no two of one group sharing
+   memory) and the masks (shape, dtype, device). Any problem
    raises here, naming the parameter, before any parameter or state changes.
    (Every device has an implementation: a device without compiled kernels runs
    PyTorch's fused ops, see ``torchstruct._ops``.)
@@ -41,7 +42,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _dtensor, _ops
-from .._reference import FLOAT_DTYPES, validate_norm_type
+from .._reference import FLOAT_DTYPES, _is_non_overlapping_and_dense, validate_norm_type
 from ..select import _closest
 
 __all__ = ["MaskedOptimizer"]
@@ -346,10 +347,23 @@ class MaskedOptimizer(torch.optim.Optimizer):
             if group.get("lr_scale", 1.0) == 0:
                 continue  # a group scaled to 0 is skipped like a frozen parameter
             params = []
+            memory = {}  # data_ptr -> parameter: the kernels step each memory once per call
             for p in group["params"]:
                 if not p.requires_grad or p.grad is None or id(p) in seen:
                     continue  # frozen, no gradient, or already stepped (tied)
                 seen.add(id(p))
+                other = memory.setdefault(p.data_ptr(), p)
+                if other is not p and p.numel():
+                    if other.numel():
+                        raise RuntimeError(
+                            f"{name}: {self._label(p)} shares its memory with "
+                            f"{self._label(other)} in one param group; each tensor may be "
+                            f"stepped once per step")
+                    memory[p.data_ptr()] = p
+                if not p.is_contiguous() and not _is_non_overlapping_and_dense(p):
+                    raise RuntimeError(
+                        f"{name}: {self._label(p)} is not dense (it overlaps itself or has "
+                        f"gaps, e.g. an expanded tensor); call .contiguous() first")
                 g = p.grad
                 if g.layout != torch.strided:
                     raise RuntimeError(
