@@ -277,6 +277,23 @@ def test_clip_duplicates_counted_as_listed(backend):
     assert same_bits(a, b) and same_bits(p.grad, q.grad)
 
 
+def test_clip_gradients_sharing_memory_like_torch(backend):
+    """One gradient tensor held by two parameters, or overlapping views: counted and scaled as
+    listed, exactly as torch does it."""
+    for make in (lambda: (lambda g: (g, g))(torch.tensor([3.0, 4.0])),
+                 lambda: (lambda b: (b[:2], b[1:]))(torch.tensor([3.0, 4.0, 12.0]))):
+        results = []
+        for fn in (ts.clip_by_global_norm, torch.nn.utils.clip_grad_norm_):
+            g1, g2 = make()
+            p, q = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+            p.grad, q.grad = g1, g2
+            results.append((fn([p, q], 1.0), p.grad.clone(), q.grad.clone()))
+        (n1, a1, b1), (n2, a2, b2) = results
+        torch.testing.assert_close(n1, n2, rtol=2.5e-7, atol=0)
+        torch.testing.assert_close(a1, a2, rtol=2.5e-7, atol=0)
+        torch.testing.assert_close(b1, b2, rtol=2.5e-7, atol=0)
+
+
 def test_clip_strided_and_zero_size_gradients(backend):
     base = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
     grads = [base.t(), base[::2, ::3], torch.zeros(0), torch.zeros(3, 0)]
@@ -970,3 +987,127 @@ def test_zero_size_and_disjoint_view_parameters_step(backend, cls, options):
         b.step()
     close(ours, theirs)
     assert not torch.equal(base, torch.zeros(6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_parameters(dtype):
+    """fp16/bf16: AdamW equals torch's fused AdamW (float32 compute, rounded once) bitwise; SGD
+    gives the same bits on every backend; state stays in the parameter's dtype."""
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(300, generator=g).to(dtype)
+    grads = [torch.randn(300, generator=g).to(dtype) for _ in range(5)]
+    results = {}
+    for backend in ("compiled", "fallback", "reference"):
+        if backend == "compiled" and not ts._ops.compiled_available():
+            continue
+        with ts._ops.use_backend(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            p, q, r = (nn.Parameter(start.clone()) for _ in range(3))
+            ours = ts.optim.AdamW([p], lr=0.01, weight_decay=0.1, amsgrad=True)
+            theirs = torch.optim.AdamW([q], lr=0.01, weight_decay=0.1, amsgrad=True, fused=True)
+            sgd = ts.optim.SGD([r], lr=0.1, momentum=0.9, weight_decay=0.1, dampening=0.2)
+            for grad in grads:
+                p.grad, q.grad, r.grad = grad.clone(), grad.clone(), grad.clone()
+                ours.step()
+                theirs.step()
+                sgd.step()
+            assert same_bits(p.detach(), q.detach()), backend
+            assert ours.state[p]["exp_avg"].dtype == dtype
+            assert sgd.state[r]["momentum_buffer"].dtype == dtype
+            results[backend] = r.detach().clone()
+    assert all(same_bits(v, results["reference"]) for v in results.values())
+
+
+@pytest.mark.parametrize("cls,options", OPTIMIZERS, ids=["SGD", "AdamW"])
+def test_max_grad_norm_under_grad_scaler_is_unscale_clip_step(backend, cls, options):
+    """No unscale_: the norm folded into the step is that of the unscaled gradients, so the run
+    equals torch's unscale_ + clip_grad_norm_ + step recipe (the scaled gradients untouched)."""
+    a, b = small_net(), small_net()
+    oa = cls(a.parameters(), lr=0.02, max_grad_norm=0.1, **options)
+    ob = getattr(torch.optim, cls.__name__)(b.parameters(), lr=0.02, foreach=False, **options)
+    batches = data(6)
+    sa = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for x, y in batches:
+        oa.zero_grad()
+        sa.scale(nn.functional.mse_loss(a(x), y)).backward()
+        scaled = [p.grad.clone() for p in a.parameters()]
+        sa.step(oa)
+        sa.update()
+        assert all(same_bits(p.grad, g) for p, g in zip(a.parameters(), scaled))
+    sb = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for x, y in batches:
+        ob.zero_grad()
+        sb.scale(nn.functional.mse_loss(b(x), y)).backward()
+        sb.unscale_(ob)
+        total = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1)
+        sb.step(ob)
+        sb.update()
+    torch.testing.assert_close(oa.last_grad_norm, total, rtol=1e-5, atol=0)
+    close(a.parameters(), b.parameters(), rtol=1e-5, atol=1e-7)
+
+
+def test_max_grad_norm_with_masks_counts_full_gradients(backend):
+    torch.manual_seed(0)
+    emb = nn.Embedding(5, 3)
+    mask = torch.zeros(5, 3, dtype=torch.bool)
+    mask[4] = True
+    opt = ts.optim.AdamW(emb.parameters(), lr=0.1, masks={emb.weight: mask}, max_grad_norm=0.1)
+    emb(torch.tensor([0, 1, 4])).pow(2).sum().backward()
+    expected = emb.weight.grad.norm()
+    opt.step()
+    torch.testing.assert_close(opt.last_grad_norm, expected)
+
+
+def test_closure_and_repeated_parameter(backend):
+    """step(closure) returns the closure's loss, computed with gradients on; a parameter listed
+    twice is stepped once (documented; torch would step it twice)."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 1)
+    opt = ts.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+
+    def closure():
+        opt.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = opt.step(closure)
+    assert loss.requires_grad and m.weight.grad is not None
+    p = nn.Parameter(torch.ones(2))
+    with pytest.warns(UserWarning, match="duplicate"):
+        opt = ts.optim.SGD([p, p], lr=0.5)
+    p.grad = torch.ones(2)
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((2,), 0.5))
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_clip_gradients_that_carry_a_graph(backend):
+    """Gradients from backward(create_graph=True) are clipped in place like torch clips them."""
+    torch.manual_seed(0)
+    a = nn.Linear(3, 2)
+    b = copy.deepcopy(a)
+    x = torch.randn(4, 3)
+    for net in (a, b):
+        net(x).pow(3).sum().backward(create_graph=True)
+    ours = ts.clip_by_global_norm(a.parameters(), 0.1)
+    theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1)
+    torch.testing.assert_close(ours, theirs, rtol=2.5e-7, atol=0)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=2.5e-7, atol=0)
+
+
+def test_error_if_nonfinite_on_models_and_trees(backend):
+    m = nn.Linear(2, 1)
+    m(torch.ones(1, 2)).sum().backward()
+    m.weight.grad[0, 0] = INF
+    before = m.bias.grad.clone()
+    with pytest.raises(RuntimeError, match="non-finite"):
+        ts.clip_by_global_norm(m, 1.0, error_if_nonfinite=True)
+    assert torch.equal(m.bias.grad, before) and m.weight.grad[0, 0] == INF
+    tree = {"a": torch.tensor([NAN]), "b": {"c": torch.tensor([2.0])}}
+    with pytest.raises(RuntimeError, match="non-finite"):
+        ts.clip_by_global_norm(tree, 1.0, error_if_nonfinite=True)
+    assert tree["b"]["c"].item() == 2.0
