@@ -1111,3 +1111,30 @@ def test_error_if_nonfinite_on_models_and_trees(backend):
     with pytest.raises(RuntimeError, match="non-finite"):
         ts.clip_by_global_norm(tree, 1.0, error_if_nonfinite=True)
     assert tree["b"]["c"].item() == 2.0
+
+
+def test_sgd_state_dict_interchange_with_torch(backend):
+    """torch's SGD state (momentum buffers) continues here, and ours (with its "masks" key)
+    continues in torch, step for step as torch alone would."""
+    a, b = small_net(), small_net()
+    theirs = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                             weight_decay=0.01, foreach=False)
+    batches = data(9)
+    train(b, theirs, batches[:3])
+    a.load_state_dict(b.state_dict())
+    ours = ts.optim.SGD(a.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01,
+                        masks={a[0].weight: torch.ones(6, 4, dtype=torch.bool)})
+    ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+    assert a[0].weight in ours.masks  # a state dict without "masks" keeps the current ones
+    train(a, ours, batches[3:6])
+    train(b, theirs, batches[3:6])
+    assert all(same_bits(p, q) for p, q in zip(a.parameters(), b.parameters())) or \
+        backend == "fallback"
+    close(a.parameters(), b.parameters())
+    back = torch.optim.SGD(b.parameters(), lr=0.05, momentum=0.9, nesterov=True,
+                           weight_decay=0.01, foreach=False)
+    b.load_state_dict(a.state_dict())
+    back.load_state_dict(copy.deepcopy(ours.state_dict()))
+    train(a, ours, batches[6:])
+    train(b, back, batches[6:])
+    close(a.parameters(), b.parameters())
