@@ -6,7 +6,8 @@ A step, in order:
    parameters that will be stepped -- ``requires_grad`` true and a ``.grad`` --
    each tensor once (a tied parameter listed in several places is stepped at its
    first place), and check the hyper-parameters of every group, the gradients
-   (dense, a supported dtype) and the masks (shape, dtype, device). Any problem
+   (dense, a supported dtype), the parameters (dense, no two of one group sharing
+   memory) and the masks (shape, dtype, device). Any problem
    raises here, naming the parameter, before any parameter or state changes.
    (Every device has an implementation: a device without compiled kernels runs
    PyTorch's fused ops, see ``torchstruct._ops``.)
@@ -41,7 +42,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _dtensor, _ops
-from .._reference import FLOAT_DTYPES, validate_norm_type
+from .._reference import FLOAT_DTYPES, _is_non_overlapping_and_dense, validate_norm_type
 from ..select import _closest
 
 __all__ = ["MaskedOptimizer"]
@@ -52,6 +53,16 @@ def _number(value, what: str) -> float:
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{what} must be a number, got {value!r}") from None
+
+
+def _max_grad_norm(value, name: str) -> Optional[float]:
+    """``max_grad_norm`` checked: None, or a number >= 0 (``ValueError`` otherwise)."""
+    if value is None:
+        return None
+    number = _number(value, f"{name}: max_grad_norm")
+    if math.isnan(number) or number < 0:
+        raise ValueError(f"{name}: max_grad_norm must be >= 0, got {value!r}")
+    return number
 
 
 def _lr_scale(group: dict, where: str) -> float:
@@ -115,14 +126,9 @@ class MaskedOptimizer(torch.optim.Optimizer):
         lr = _number(defaults["lr"], f"{name}: lr")
         if math.isnan(lr) or lr < 0:
             raise ValueError(f"{name}: lr must be >= 0, got {defaults['lr']!r}")
-        if max_grad_norm is not None:
-            max_grad_norm = _number(max_grad_norm, f"{name}: max_grad_norm")
-            if math.isnan(max_grad_norm) or max_grad_norm < 0:
-                raise ValueError(f"{name}: max_grad_norm must be >= 0, got {max_grad_norm!r}")
+        max_grad_norm = _max_grad_norm(max_grad_norm, name)
         norm_type = validate_norm_type(norm_type)
-        super().__init__(params, defaults)
-        for index, group in enumerate(self.param_groups):
-            self._check_group(index, group)
+        super().__init__(params, defaults)  # each group checked by add_param_group
         #: the global-norm clip threshold (None: no clipping)
         self.max_grad_norm: Optional[float] = max_grad_norm
         #: the order of that norm
@@ -258,7 +264,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """``torch.optim.Optimizer.add_param_group``, refusing complex parameters (the fused
-        steps have no complex arithmetic; torch's optimizers step them as real views)."""
+        steps have no complex arithmetic; torch's optimizers step them as real views) and
+        bad hyper-parameters (``ValueError`` naming the group; nothing is added)."""
         params = param_group["params"]
         if not isinstance(params, (torch.Tensor, set)):  # a set: torch's own error follows
             param_group["params"] = params = list(params)  # a generator is read once, here
@@ -274,6 +281,11 @@ class MaskedOptimizer(torch.optim.Optimizer):
                     "parameters (use torch.optim for complex ones, or train a real view: "
                     "torch.view_as_real)")
         super().add_param_group(param_group)
+        try:  # the group as it will step (defaults filled in)
+            self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
 
     def _label(self, param: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
@@ -335,10 +347,23 @@ class MaskedOptimizer(torch.optim.Optimizer):
             if group.get("lr_scale", 1.0) == 0:
                 continue  # a group scaled to 0 is skipped like a frozen parameter
             params = []
+            memory = {}  # data_ptr -> parameter: the kernels step each memory once per call
             for p in group["params"]:
                 if not p.requires_grad or p.grad is None or id(p) in seen:
                     continue  # frozen, no gradient, or already stepped (tied)
                 seen.add(id(p))
+                other = memory.setdefault(p.data_ptr(), p)
+                if other is not p and p.numel():
+                    if other.numel():
+                        raise RuntimeError(
+                            f"{name}: {self._label(p)} shares its memory with "
+                            f"{self._label(other)} in one param group; each tensor may be "
+                            f"stepped once per step")
+                    memory[p.data_ptr()] = p
+                if not p.is_contiguous() and not _is_non_overlapping_and_dense(p):
+                    raise RuntimeError(
+                        f"{name}: {self._label(p)} is not dense (it overlaps itself or has "
+                        f"gaps, e.g. an expanded tensor); call .contiguous() first")
                 g = p.grad
                 if g.layout != torch.strided:
                     raise RuntimeError(
@@ -384,18 +409,20 @@ class MaskedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # the attribute may have been rewritten since construction: checked before any write
+        max_grad_norm = _max_grad_norm(self.max_grad_norm, type(self).__name__)
         plan = self._plan()
         grad_scale, found_inf = self._amp()
 
         clip_coef = None
-        if self.max_grad_norm is not None:
+        if max_grad_norm is not None:
             grads = [p.grad for _, params in plan for p in params]
             if grads:
                 total = _ops.global_norm(grads, self.norm_type)
                 if grad_scale is not None:  # the norm of the unscaled gradients
                     inv = grad_scale.double().reciprocal().float().to(total.device)
                     total = total * inv
-                clip_coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+                clip_coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
             else:
                 total = torch.zeros(())
             self._remember_norm(total)
