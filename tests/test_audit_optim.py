@@ -811,6 +811,8 @@ def test_bad_state_dict_changes_nothing():
     good = copy.deepcopy(opt.state_dict())
     edits = [
         (lambda sd: sd["state"][0].__setitem__("exp_avg", torch.zeros(5)), "shape"),
+        # a 0-dim moment would broadcast over the parameter
+        (lambda sd: sd["state"][0].__setitem__("exp_avg_sq", torch.tensor(0.5)), "shape"),
         (lambda sd: sd["masks"].__setitem__(0, torch.ones(3, 3, dtype=torch.bool)), "shape"),
         (lambda sd: sd["masks"].__setitem__(0, torch.ones(2, 3)), "dtype"),
         (lambda sd: sd["masks"].__setitem__(7, torch.ones(2, 3, dtype=torch.bool)), "index"),

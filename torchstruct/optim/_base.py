@@ -216,7 +216,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
             if p is None or not isinstance(entry, dict):
                 continue
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.dim() and value.shape != p.shape:
+                # every tensor but the step counter is per element (a 0-dim one would broadcast)
+                if isinstance(value, torch.Tensor) and key != "step" and value.shape != p.shape:
                     raise ValueError(f"{name}: load_state_dict: state {key!r} of "
                                      f"{self._label(p)} has shape {tuple(value.shape)}")
         masks = None
