@@ -63,7 +63,16 @@ def _asked(model: nn.Module, wrt) -> Pairs:
             "gradients as a tree with ts.grad_tree(model)."
         )
     trainable = list(trainable_parameters(model))  # also attaches the model
-    return trainable if wrt is None else select(model, wrt)
+    if wrt is None:
+        return trainable
+    asked = select(model, wrt)
+    if not asked:
+        raise ValueError(
+            f"structural_grad: wrt={wrt!r} selects no parameter of the model (a module without "
+            "parameters, or a callable that is False everywhere); an empty tree would hide the "
+            "mistake"
+        )
+    return asked
 
 
 class _only:
@@ -181,7 +190,8 @@ def structural_grad(
             callable does not return a tensor.
         ValueError: the loss is not a scalar or does not require grad; an asked parameter does
             not require grad when ``loss`` is a tensor (it has no graph; the message names its
-            path); a ``wrt`` selector matching nothing (closest paths named); the loss reaches
+            path); a ``wrt`` selector matching nothing (closest paths named) or selecting no
+            parameter (a module without parameters, a callable False everywhere); the loss reaches
             none of the asked parameters (paths named); an asked parameter is used inside a
             reentrant checkpoint none of whose inputs requires grad; under DDP, a tensor loss
             outside ``ddp.no_sync()``, or ``create_graph=True``.
