@@ -82,3 +82,38 @@ def test_wrt_selecting_no_parameter_is_an_error():
     with pytest.raises(ValueError, match="selects no parameter"):
         ts.value_and_grad(sq, m, wrt="1")
     assert flags(m) == before and all(p.grad is None for p in m.parameters())
+
+
+# --- create_graph / retain_graph ----------------------------------------------------------
+
+def test_create_graph_with_wrt_keeps_second_order_terms_like_autograd_grad():
+    """MAML: the inner gradient of the head is differentiated w.r.t. the body too."""
+    torch.manual_seed(0)
+    m, x2 = mlp(), torch.randn(5, 3)
+
+    def outer(gw, gb):
+        h = torch.tanh(m[0](x2))
+        return (h @ (m[2].weight - 0.1 * gw).T + (m[2].bias - 0.1 * gb)).pow(2).sum()
+
+    params = list(m.parameters())
+    gw, gb = torch.autograd.grad(sq(m), [m[2].weight, m[2].bias], create_graph=True)
+    ref = torch.autograd.grad(outer(gw, gb), params)
+    for loss in (sq, sq(m)):
+        g = ts.structural_grad(m, loss, wrt="2", create_graph=True)
+        assert torch.equal(g["2"]["weight"], gw) and g["2"]["weight"].requires_grad
+        ours = torch.autograd.grad(outer(g["2"]["weight"], g["2"]["bias"]), params)
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    assert flags(m) == [True] * 4
+
+
+def test_create_graph_with_wrt_turns_on_a_frozen_parameter_and_keeps_the_others_off():
+    m = mlp()
+    with ts.freeze(m, "0"):
+        g = ts.structural_grad(m, sq, wrt="0.bias", create_graph=True)
+        assert flags(m) == [False, False, True, True]
+    ref = torch.autograd.grad(sq(m), [m[0].bias], create_graph=True)[0]
+    assert torch.equal(g["0"]["bias"], ref) and g["0"]["bias"].requires_grad
+    # the second derivative reaches 0.bias and the trainable head, not the frozen 0.weight
+    pen = g["0"]["bias"].pow(2).sum()
+    assert pen.grad_fn is not None
+    assert torch.autograd.grad(pen, [m[0].weight], allow_unused=True)[0] is None

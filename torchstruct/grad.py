@@ -27,7 +27,10 @@ Rules shared by all three:
   parameters requiring grad (every other parameter of the model has ``requires_grad=False``
   during the call; all flags are restored afterwards, also when the call raises). Declarations
   and contexts are not consulted for that call, and normalization statistics behave exactly as
-  they would outside it, so the loss value is the same as ``loss(model)``.
+  they would outside it, so the loss value is the same as ``loss(model)``. With
+  ``create_graph=True`` the asked parameters are switched on and every other flag stays as it
+  is, so the gradients are differentiable with respect to every parameter that requires grad
+  (as ``torch.autograd.grad(loss(model), asked, create_graph=True)`` would be).
 """
 from __future__ import annotations
 
@@ -76,7 +79,8 @@ def _asked(model: nn.Module, wrt) -> Pairs:
 
 
 class _only:
-    """Within the block, exactly the ``asked`` parameters of ``model`` require grad.
+    """Within the block, exactly the ``asked`` parameters of ``model`` require grad (with
+    ``keep_others``: the asked ones are switched on and every other flag stays as it is).
 
     The flags written here are recorded as torchstruct's own (the starting flags stay), so
     trainability read inside the block (``ts.trainable_parameters`` in a loss term) is the
@@ -84,10 +88,11 @@ class _only:
     the block raises.
     """
 
-    def __init__(self, model: nn.Module, asked: Pairs) -> None:
+    def __init__(self, model: nn.Module, asked: Pairs, keep_others: bool = False) -> None:
         self.model = model
         self.params = index(model).params
         self.ids = {id(p) for _, p in asked}
+        self.keep_others = keep_others
 
     def __enter__(self) -> None:
         with _state.LOCK:
@@ -96,9 +101,10 @@ class _only:
             done = 0
             try:
                 for p in self.params:
-                    base, since, _ = starting_flag(p, "", {})
-                    p.requires_grad_(id(p) in self.ids)
-                    _state.set_record(p, base, id(p) in self.ids, since)
+                    if id(p) in self.ids or not self.keep_others:
+                        base, since, _ = starting_flag(p, "", {})
+                        p.requires_grad_(id(p) in self.ids)
+                        _state.set_record(p, base, id(p) in self.ids, since)
                     done += 1
             except BaseException:  # e.g. an unmaterialized lazy parameter: nothing changed
                 self._restore(done + 1)
@@ -172,7 +178,9 @@ def structural_grad(
         loss: a scalar tensor already computed from ``model``, or a callable
             ``loss(model) -> scalar tensor`` (called once here). With a callable and ``wrt``
             given, the forward runs with exactly the ``wrt`` parameters requiring grad, so
-            autograd neither records nor saves anything for the others.
+            autograd neither records nor saves anything for the others (with
+            ``create_graph=True``: the ``wrt`` parameters switched on, the others as they are,
+            so that the gradients stay differentiable with respect to them).
         wrt: a selector (see :func:`torchstruct.select`) picking the parameters to
             differentiate, for this call only. ``None``: the effectively trainable parameters.
         retain_graph: keep the graph for another backward; defaults to ``create_graph``.
@@ -233,7 +241,9 @@ def _local(model: nn.Module, loss, asked: Pairs, wrt, retain_graph, create_graph
         return _grads(model, loss, asked, retain_graph, create_graph)
     if wrt is None:
         return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
-    with _only(model, asked):  # autograd.grad also needs the flags on
+    # autograd.grad also needs the flags on; with create_graph the others keep theirs, so that
+    # the gradients stay differentiable w.r.t. them (second-order terms through the forward)
+    with _only(model, asked, keep_others=create_graph):
         return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
 
 
