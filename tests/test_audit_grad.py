@@ -467,3 +467,381 @@ def test_peft_lora_gives_only_adapter_gradients_equal_to_backward(hf):
     assert len(g) == 4 and all("lora_" in n for n in g) and flags(m) == before
     lm_loss(m).backward()
     assert all(torch.equal(g[n], p.grad) for n, p in m.named_parameters() if p.requires_grad)
+
+
+# --- value_and_grad, grad_tree ------------------------------------------------------------
+
+def test_value_and_grad_args_aux_and_wrt_match_pytorch():
+    m = Tied()
+    fn = lambda mm, x, scale: (mm(x).pow(2).sum() * scale, {"n": len(x)})
+    names = ["head.weight", "head.bias"]
+    ref = reference(m, lambda mm: fn(mm, X, 2.0)[0], names)
+    (value, aux), g = ts.value_and_grad(fn, m, X, 2.0, has_aux=True, wrt="head")
+    assert torch.equal(value, fn(m, X, 2.0)[0].detach()) and value.grad_fn is None
+    assert aux == {"n": 5} and same(g, names, ref)
+    value, g = ts.value_and_grad(lambda mm, x: mm(x).pow(2).sum(), m, X)
+    assert torch.equal(value, sq(m).detach()) and list(flat(g))[0] == "a.weight"
+
+
+def test_value_and_grad_errors_restore_flags():
+    m = mlp()
+    with ts.freeze(m, "0"):
+        for fn, err in ((lambda mm: sq(mm), TypeError),          # not a pair
+                        (lambda mm: [sq(mm), 1], TypeError),     # a list is not a pair
+                        (lambda mm: (1.0, 2), TypeError),        # value not a tensor
+                        (lambda mm: (mm(X), 2), ValueError)):    # value not a scalar
+            with pytest.raises(err):
+                ts.value_and_grad(fn, m, has_aux=True, wrt="0")
+        with pytest.raises(KeyError):
+            ts.value_and_grad(lambda mm: {}["x"], m, wrt="0")
+        with pytest.raises(TypeError, match="callable"):
+            ts.value_and_grad(3, m)
+        assert flags(m) == [False, False, True, True]
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_grad_tree_holds_the_grad_objects_tied_once_frozen_absent():
+    m = Tied()
+    sq(m).backward()
+    with ts.freeze(m, "head"):
+        g = ts.grad_tree(m)
+    assert list(flat(g)) == ["a.weight", "a.bias", "b.bias"]
+    assert g["a"]["weight"] is m.a.weight.grad
+    assert ts.global_norm(g) == torch.linalg.vector_norm(
+        torch.cat([m.a.weight.grad.flatten(), m.a.bias.grad, m.b.bias.grad]))
+
+
+# --- map_trainable --------------------------------------------------------------------------
+
+def test_map_trainable_several_trees_frozen_leaves_ignored():
+    m = Tied()
+    grads = ts.structural_grad(m, sq)
+    params = T.from_module(m)
+    with ts.freeze(m, "a.bias"):
+        out = ts.map_trainable(lambda p, g, q: p.detach() - 0.1 * g + 0 * q, m, grads, params)
+        assert list(flat(out)) == ["a.weight", "b.bias", "head.weight", "head.bias"]
+        assert torch.equal(out["a"]["weight"], m.a.weight.detach() - 0.1 * grads["a"]["weight"])
+        # a flat dict is a tree; and trees must cover every trainable path
+        ts.map_trainable(lambda p, g: g, m, flat(grads))
+        with pytest.raises(ValueError, match="tree argument 1 has no leaf at 'b.bias'.*2 more"):
+            ts.map_trainable(lambda p, g: g, m, {"a": grads["a"]})
+        with pytest.raises(ValueError, match="'head.wieght'.*closest"):
+            ts.map_trainable(lambda p, g: g, m, {**flat(grads), "head.wieght": X})
+        with pytest.raises(TypeError, match="'a.weight'"):
+            ts.map_trainable(lambda p, g: 1, m, grads)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a state_dict of a tied model holds two distinct tensor objects (one .detach() each) at "
+    "the two paths of the tied weight, so map_trainable and polyak_update refuse it with "
+    "'different leaves at a.weight and b.weight'; the contract accepts a flat path-keyed dict "
+    "(what state_dict gives) wherever a tree is, and these two leaves are views of one "
+    "parameter: expected accepted"))
+def test_state_dict_of_a_tied_model_is_accepted_as_a_tree():
+    target, source = Tied(), Tied()
+    ts.map_trainable(lambda p, q: q, target, source.state_dict())
+    ts.polyak_update(target, source.state_dict(), 0.5)
+
+
+# --- polyak_update --------------------------------------------------------------------------
+
+def snapshot(m):
+    return {n: p.detach().clone() for n, p in m.named_parameters(remove_duplicate=False)}
+
+
+def test_polyak_frozen_untouched_tied_once_tau_0_and_1_bitwise():
+    torch.manual_seed(0)
+    target, source = Tied(), Tied()
+    with ts.freeze(target, "head"):
+        before = snapshot(target)
+        ts.polyak_update(target, source, 0.25)
+    after = snapshot(target)
+    assert torch.equal(after["head.weight"], before["head.weight"])
+    assert torch.equal(after["a.weight"],
+                       torch.lerp(before["a.weight"], source.a.weight.detach(), 0.25))
+    assert torch.equal(after["b.weight"], after["a.weight"])  # updated once, not twice
+    before = snapshot(target)
+    ts.polyak_update(target, source, 0.0)
+    assert all(torch.equal(v, before[k]) for k, v in snapshot(target).items())
+    ts.polyak_update(target, source, torch.tensor(1.0))
+    assert all(torch.equal(v, snapshot(source)[k]) for k, v in snapshot(target).items())
+    assert all(p.grad_fn is None for p in target.parameters())
+
+
+def test_polyak_bad_input_changes_nothing():
+    target, source = Tied(), Tied()
+    before = snapshot(target)
+    bad_source = Tied()
+    bad_source.head = nn.Linear(3, 1).double()
+    for tau, src, err in [(-0.1, source, ValueError), (1.5, source, ValueError),
+                          (float("nan"), source, ValueError), (True, source, TypeError),
+                          ("0.5", source, TypeError), (torch.ones(2), source, ValueError),
+                          (0.5, bad_source, ValueError), (0.5, [1], TypeError),
+                          (0.5, {"a": {"weight": torch.ones(3, 3)}}, ValueError)]:
+        with pytest.raises(err):
+            ts.polyak_update(target, src, tau)
+    assert all(torch.equal(v, before[k]) for k, v in snapshot(target).items())
+
+
+class Untied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a source module whose weights at the two paths of the target's tied parameter differ "
+    "('b.weight' is its own parameter there) is used silently at the first path only, and "
+    "its 'b.weight' is ignored; the same values given as a tree raise ValueError ('the tie "
+    "would silently lose it'): expected the same ValueError naming 'b.weight'"))
+def test_polyak_module_source_untied_where_the_target_is_tied_is_an_error():
+    target = Tied()
+    before = snapshot(target)
+    with pytest.raises(ValueError, match="b.weight"):
+        ts.polyak_update(target, Untied(), 0.5)
+    assert all(torch.equal(v, before[k]) for k, v in snapshot(target).items())
+
+
+# --- trees ---------------------------------------------------------------------------------
+
+def test_flatten_unflatten_round_trip_dtypes_views_and_ties():
+    base = torch.arange(12.0).reshape(3, 4)
+    shared = torch.tensor([1.5, -2.0], dtype=torch.float16)
+    tree = {"nc": base.t(), "sl": base[:, ::2], "h": shared,
+            "deep": {"b": torch.tensor([[0.25]], dtype=torch.bfloat16), "i": torch.tensor([3]),
+                     "tied": shared},
+            "none": None, "empty": {}}
+    vec, spec = T.flatten(tree)
+    assert vec.dtype == torch.float32 and vec.numel() == 12 + 6 + 2 + 1 + 1
+    back = T.unflatten(vec, spec)
+    assert T.paths(back) == ["nc", "sl", "h", "deep.b", "deep.i", "deep.tied"]
+    for path, leaf in flat(tree).items():
+        b = flat(back)[path]
+        assert torch.equal(b, leaf) and b.dtype == leaf.dtype and b.shape == leaf.shape
+    assert back["h"] is back["deep"]["tied"]
+    # differentiable through flatten
+    w = torch.ones(2, 2, requires_grad=True)
+    v, _ = T.flatten({"w": w, "t": w})
+    v.sum().backward()
+    assert torch.equal(w.grad, torch.ones(2, 2))  # stored once: counted once
+
+
+def test_flatten_errors_name_paths():
+    with pytest.raises(ValueError, match=r"'a' is on cpu, 'b' is on meta"):
+        T.flatten({"a": torch.ones(1), "b": torch.ones(1, device="meta")})
+    vec, spec = T.flatten({"a": torch.ones(3)})
+    with pytest.raises(ValueError, match="4 elements but the spec needs 3"):
+        T.unflatten(torch.ones(4), spec)
+    with pytest.raises(ValueError, match="1-D"):
+        T.unflatten(torch.ones(3, 1), spec)
+    with pytest.raises(TypeError, match="TreeSpec"):
+        T.unflatten(vec, {"a": 3})
+
+
+def test_flat_dict_round_trip_with_dotted_names_and_empty_modules():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Sequential(), nn.ReLU(),
+                      nn.Sequential(nn.Sequential(nn.Linear(2, 1))))
+    tree = T.from_module(m)
+    assert T.paths(tree) == ["0.weight", "0.bias", "3.0.0.weight", "3.0.0.bias"]
+    assert "1" not in tree and "2" not in tree
+    f = T.to_flat_dict(tree)
+    assert list(f) == [n for n, _ in m.named_parameters()]
+    assert all(f[n] is p for n, p in m.named_parameters())
+    assert T.from_flat_dict(f) == tree and T.to_flat_dict(T.from_flat_dict(f)) == f
+    mixed = {"3.0": {"0.weight": X}, "0": {"bias": X}}  # dotted and nested keys mixed
+    assert T.paths(mixed) == ["3.0.0.weight", "0.bias"]
+    assert T.from_flat_dict({}) == {} and T.paths({"a": {"b": {}}}) == []
+
+
+@pytest.mark.parametrize("rest, match", [
+    ({"b": X}, "tree argument 1 has no leaf at 'a'"),
+    ({"a": X, "b": X}, "tree argument 1 has an extra leaf at 'b'"),
+    ({"a": {"c": X}}, "no leaf at 'a'"),
+    ({"a": None}, "no leaf at 'a'"),
+])
+def test_map_over_mismatched_trees_raises_naming_the_path(rest, match):
+    with pytest.raises(ValueError, match=match):
+        T.map(torch.add, {"a": X}, rest)
+    with pytest.raises(ValueError, match=match.replace("argument 1", "argument 2")):
+        T.map(lambda a, b, c: a, {"a": X}, {"a": X}, rest)
+
+
+def test_map_bad_keys_and_leaves():
+    with pytest.raises(TypeError, match="root"):
+        T.map(torch.add, {"a": X}, [X])
+    with pytest.raises(TypeError, match="'a'"):
+        T.map(lambda a: 3, {"a": X})
+    with pytest.raises(ValueError, match="duplicate path 'a.b'"):
+        T.paths({"a": {"b": X}, "a.b": X})
+    with pytest.raises(ValueError, match="conflicting paths 'a' and 'a.b'"):
+        T.from_flat_dict({"a": X, "a.b": X})
+    with pytest.raises(ValueError, match="empty component"):
+        T.from_flat_dict({"a..b": X})
+    with pytest.raises(ValueError, match="strings"):
+        T.paths({0: X})
+    # flat in, flat out; nested and flat trees with the same paths combine
+    assert list(T.map(torch.add, {"a.b": X}, {"a": {"b": X}})) == ["a.b"]
+
+
+def test_global_norm_on_trees_against_torch():
+    a, b = torch.randn(3, 4), torch.randn(5)
+    ref = torch.linalg.vector_norm(torch.cat([a.flatten(), b]))
+    for tree in ({"x": a, "y": {"z": b}}, {"x": a, "y.z": b}, {"x": a, "t": a, "y": {"z": b}},
+                 {"x": a, "n": None, "y": {"z": b}}):
+        assert torch.allclose(ts.global_norm(tree), ref)
+    for p in (1.0, 3.0, float("inf")):
+        assert torch.allclose(ts.global_norm({"x": a, "y": b}, p),
+                              torch.linalg.vector_norm(torch.cat([a.flatten(), b]), p))
+    half = {"h": torch.full((4,), 60000.0, dtype=torch.float16)}
+    assert ts.global_norm(half).dtype == torch.float32
+    assert torch.isclose(ts.global_norm(half), torch.tensor(120000.0))  # no fp16 overflow
+    assert ts.global_norm({}) == 0
+    with pytest.raises(ValueError, match="norm_type"):
+        ts.global_norm({"x": a}, 0)
+    with pytest.raises(TypeError, match="'x'"):
+        ts.global_norm({"x": [1.0]})
+
+
+# --- within_gradient ------------------------------------------------------------------------
+
+W = ts.within_gradient
+
+
+def seen_by(transform, *args):
+    """What ``within_gradient`` says about the argument inside ``transform(f)(*args)``."""
+    seen = []
+    transform(lambda t: (seen.append(W(t)) or t * 1).sum())(*args)
+    return seen
+
+
+def test_within_gradient_eager_modes():
+    x = torch.ones(3, requires_grad=True)
+    assert W(x) and W(x * 2) and not W(x.detach()) and not W(torch.ones(3)) and not W()
+    with torch.no_grad():
+        assert not W(x) and not W(nn.Linear(2, 2))
+        with torch.enable_grad():
+            assert W(x)
+    with torch.inference_mode():
+        assert not W(x)
+    assert W(nn.Linear(2, 2)) and not W(nn.ReLU()) and not W(nn.Linear(2, 2).requires_grad_(False))
+    assert W(torch.ones(1), nn.Linear(1, 1))  # any argument
+
+
+def test_within_gradient_checks_every_argument():
+    x = torch.ones(3, requires_grad=True)
+    for args in ((x, [x]), (x, None), (x, 3.0)):
+        with pytest.raises(TypeError, match="argument 1 must be a Tensor or an nn.Module"):
+            W(*args)
+
+
+def test_within_gradient_under_torch_func():
+    x = torch.ones(3)
+    assert seen_by(torch.func.grad, x) == [True]
+    seen = []
+    torch.func.vjp(lambda t: seen.append(W(t)) or t * 1, x)
+    torch.func.jacrev(lambda t: seen.append(W(t)) or t * 1)(x)
+    torch.func.jvp(lambda t: seen.append(W(t)) or t * 1, (x,), (x,))
+    torch.func.jacfwd(lambda t: seen.append(W(t)) or t * 1)(x)
+    assert seen == [True] * 4
+    assert seen_by(lambda f: torch.func.vmap(lambda t: f(t).reshape(1)), x.reshape(3, 1)) == [False]
+    assert seen_by(lambda f: torch.func.grad(lambda t: torch.func.vmap(f)(t).sum()), x) == [True]
+    seen = []
+    torch.func.grad(lambda t: (seen.append(W(x)) or t).sum())(x)  # a constant inside
+    with torch.no_grad():  # torch.func.grad ignores an outer no_grad ...
+        torch.func.grad(lambda t: (seen.append(W(t)) or t).sum())(x)
+
+    def inner_no_grad(t):  # ... and honours an inner one
+        with torch.no_grad():
+            seen.append(W(t))
+        return t.sum()
+
+    torch.func.grad(inner_no_grad)(x)
+    assert seen == [False, True, False]
+
+
+def test_within_gradient_forward_mode_dual():
+    x = torch.ones(3)
+    with fwad.dual_level():
+        d = fwad.make_dual(x, torch.ones(3))
+        assert W(d) and W(d * 2) and not W(x)
+        with torch.no_grad():
+            assert W(d)  # no_grad does not stop tangents
+        with torch.inference_mode():
+            assert not W(d)
+    assert not W(d)  # the level is closed
+
+
+def test_within_gradient_compiled_fullgraph_reverse_modes():
+    def fn(t):
+        return t * 2 if W(t) else t * 3
+
+    for backend in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        cf = torch.compile(fn, fullgraph=True, backend=backend)
+        x = torch.ones(3, requires_grad=True)
+        assert cf(x)[0] == 2 and cf(x.detach())[0] == 3
+        with torch.no_grad():
+            assert cf(x)[0] == 3
+        with torch.inference_mode():
+            assert cf(torch.ones(3))[0] == 3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "inside a compiled torch.func.grad (torch.compile(lambda t: torch.func.grad(f)(t), "
+    "fullgraph=True), eager and aot_eager backends) within_gradient is False: under dynamo it "
+    "reads x.requires_grad, which dynamo's trace of the functorch transform reports False "
+    "(torch.is_grad_enabled() is True there), so the non-gradient branch runs silently "
+    "(gradient 3 where eager torch.func.grad gives 2); the contract says within_gradient is "
+    "correct under compile for torch.func.grad: expected True"))
+def test_within_gradient_compiled_torch_func_grad():
+    def fn(t):
+        return t * 2 if W(t) else t * 3
+
+    torch._dynamo.reset()
+    grad = torch.compile(lambda t: torch.func.grad(lambda u: fn(u).sum())(t),
+                         fullgraph=True, backend="eager")
+    assert torch.equal(grad(torch.ones(3)), torch.full((3,), 2.0))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "inside torch.compile(fullgraph=True) within_gradient only reads grad mode and "
+    "requires_grad, so a forward-mode dual (torch.autograd.forward_ad) takes the non-gradient "
+    "branch silently (tangent 3 where eager gives 2), also on a fresh compile; the contract "
+    "says within_gradient is correct under compile for each AD mode: expected True (or a "
+    "clear error)"))
+def test_within_gradient_compiled_forward_mode_dual():
+    def fn(t):
+        return t * 2 if W(t) else t * 3
+
+    torch._dynamo.reset()
+    cf = torch.compile(fn, fullgraph=True, backend="eager")
+    with fwad.dual_level():
+        out = cf(fwad.make_dual(torch.ones(3), torch.ones(3)))
+        assert torch.equal(fwad.unpack_dual(out).tangent, torch.full((3,), 2.0))
+
+
+# --- stop_gradient and structural_grad --------------------------------------------------------
+
+def test_stop_gradient_blocks_match_detached_reference():
+    m = mlp()
+
+    def loss(mm):
+        with ts.stop_gradient(mm, "0"):
+            inside = mm(X).sum()
+        return inside + sq(mm)
+
+    def detached(mm):
+        h = nn.functional.linear(X, mm[0].weight.detach(), mm[0].bias.detach())
+        return mm[2](mm[1](h)).sum() + sq(mm)
+
+    names = ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert same(ts.structural_grad(m, loss), names, reference(m, detached, names))
+
+    def only_inside(mm):
+        with ts.stop_gradient(mm, "0"):
+            return mm(X).sum()
+
+    with pytest.raises(ValueError, match=r"reaches none .*'0.weight', '0.bias'"):
+        ts.structural_grad(m, only_inside, wrt="0")
+    g = flat(ts.structural_grad(m, only_inside))  # unused by this forward: zeros, documented
+    assert torch.equal(g["0.weight"], torch.zeros(4, 3)) and g["2.bias"] == 5
