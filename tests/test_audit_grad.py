@@ -845,3 +845,10 @@ def test_stop_gradient_blocks_match_detached_reference():
         ts.structural_grad(m, only_inside, wrt="0")
     g = flat(ts.structural_grad(m, only_inside))  # unused by this forward: zeros, documented
     assert torch.equal(g["0.weight"], torch.zeros(4, 3)) and g["2.bias"] == 5
+
+
+def test_flatten_refuses_a_sparse_leaf_naming_its_path():
+    e = nn.Embedding(10, 4, sparse=True)
+    g = ts.structural_grad(e, lambda mm: mm(torch.tensor([1, 2])).sum())
+    with pytest.raises(TypeError, match="'emb.weight'.*sparse"):
+        T.flatten({"dense": torch.ones(2), "emb": g})
