@@ -564,8 +564,8 @@ def test_grad_tree_holds_the_grad_objects_tied_once_frozen_absent():
         g = ts.grad_tree(m)
     assert list(flat(g)) == ["a.weight", "a.bias", "b.bias"]
     assert g["a"]["weight"] is m.a.weight.grad
-    assert ts.global_norm(g) == torch.linalg.vector_norm(
-        torch.cat([m.a.weight.grad.flatten(), m.a.bias.grad, m.b.bias.grad]))
+    assert torch.allclose(ts.global_norm(g), torch.linalg.vector_norm(
+        torch.cat([m.a.weight.grad.flatten(), m.a.bias.grad, m.b.bias.grad])))
 
 
 # --- map_trainable --------------------------------------------------------------------------
@@ -931,11 +931,6 @@ def test_structural_grad_inside_stop_gradient_of_a_loss_computed_outside():
     assert same(g, names, ref)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "inside ts.stop_gradient(m, '0'), grad_tree(m) leaves out '0.weight' and '0.bias' although "
-    "their .grad fields are set (and read as the parameter's own inside the block): the "
-    "trainability read sees the detached alias's requires_grad=False; expected the same tree "
-    "as outside the block"))
 def test_grad_tree_inside_stop_gradient():
     m = mlp()
     sq(m).backward()

@@ -540,7 +540,8 @@ def grad_tree(model: nn.Module) -> dict:
 
     Returns:
         A tree of the ``.grad`` tensors themselves (not copies), tied parameters once at their
-        first path; parameters whose ``.grad`` is ``None`` are absent.
+        first path; parameters whose ``.grad`` is ``None`` are absent. Inside a
+        ``stop_gradient`` block the blocked parameters are included as outside it.
 
     Raises:
         TypeError: ``model`` is not a module.
@@ -555,4 +556,8 @@ def grad_tree(model: nn.Module) -> dict:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"grad_tree: expected an nn.Module, got {type(model).__name__}")
-    return _tree.from_flat_dict((path, p.grad) for path, p in trainable_parameters(model))
+    # which parameters train is read from the parameters themselves, also inside a
+    # stop_gradient / swap block (whose mode makes requires_grad read the stand-in's flag)
+    with torch._C.DisableTorchFunction():
+        pairs = list(trainable_parameters(model))
+    return _tree.from_flat_dict((path, p.grad) for path, p in pairs)
