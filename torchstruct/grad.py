@@ -21,6 +21,10 @@ Rules shared by all three:
   asked parameter. A loss that reaches none of them (another model, detached copies) is an
   error naming them, and so is an asked parameter used inside a reentrant checkpoint that
   records nothing (none of its inputs requires grad).
+- Inside a ``stop_gradient`` or ``swap`` block, the asked set, the flags and the gradients are
+  those of the parameters themselves (the block's stand-ins are not differentiated): a loss
+  computed outside the block gets its usual gradients, and a callable loss, which runs under
+  the block, reaches the blocked or swapped parameters only where they are used outside it.
 - On a model wrapped by ``DistributedDataParallel`` (the wrapper or its module), the gradients
   are averaged over the ranks, as ``backward()`` leaves them (see :mod:`.distributed`).
 - When ``loss`` is a callable and ``wrt`` is given, the forward runs with exactly the asked
@@ -34,6 +38,7 @@ Rules shared by all three:
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -44,6 +49,7 @@ from torch.nn.modules import module as _module_mod
 
 from . import _dtensor, _state
 from . import tree as _tree
+from .blocks import _Substitute
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
 from .hooks import apply_pending
@@ -78,6 +84,26 @@ def _asked(model: nn.Module, wrt) -> Pairs:
     return asked
 
 
+@contextlib.contextmanager
+def _outside_blocks():
+    """Within the block, the modes of active ``stop_gradient`` / ``swap`` blocks are lifted
+    (every other torch function mode stays, in its order): the bookkeeping here reads and
+    differentiates the parameters themselves, not their stand-ins. The user's loss callable
+    runs outside this block, under the modes as the user set them."""
+    stack = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())][::-1]  # bottom first
+    keep = [mode for mode in stack if not isinstance(mode, _Substitute)]
+    for mode in keep:
+        torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        for _ in keep:
+            torch._C._pop_torch_function_stack()
+        for mode in stack:
+            torch._C._push_on_torch_function_stack(mode)
+
+
 class _only:
     """Within the block, exactly the ``asked`` parameters of ``model`` require grad (with
     ``keep_others``: the asked ones are switched on and every other flag stays as it is).
@@ -95,7 +121,7 @@ class _only:
         self.keep_others = keep_others
 
     def __enter__(self) -> None:
-        with _state.LOCK:
+        with _state.LOCK, _outside_blocks():
             apply_pending(self.model)  # else the hook would apply during the call
             self.before = [(p.requires_grad, _state.record(p)) for p in self.params]
             done = 0
@@ -111,7 +137,7 @@ class _only:
                 raise
 
     def __exit__(self, *exc) -> None:
-        with _state.LOCK:
+        with _state.LOCK, _outside_blocks():
             self._restore(len(self.params))
 
     def _restore(self, count: int) -> None:
@@ -152,8 +178,9 @@ def _check_frozen(loss: torch.Tensor, asked: Pairs) -> None:
 def _check_requires_grad(loss: torch.Tensor, asked: Pairs) -> None:
     if not loss.requires_grad:
         raise ValueError(
-            "structural_grad: the loss does not require grad (computed under torch.no_grad(), or "
-            f"from frozen parameters only; it reaches none of {_names(asked)})"
+            "structural_grad: the loss does not require grad (computed under torch.no_grad(), "
+            "from frozen parameters only, or with the parameters blocked by ts.stop_gradient or "
+            f"replaced by ts.swap; it reaches none of {_names(asked)})"
         )
 
 
@@ -218,7 +245,8 @@ def structural_grad(
         >>> m[1].weight.grad is None
         True
     """
-    asked = _asked(model, wrt)
+    with _outside_blocks():
+        asked = _asked(model, wrt)
     if not callable(loss):
         _check_loss(loss)  # a bad loss is a TypeError / ValueError everywhere, DDP or not
     ddp = ddp_wrapper(model)
@@ -237,14 +265,19 @@ def structural_grad(
 def _local(model: nn.Module, loss, asked: Pairs, wrt, retain_graph, create_graph) -> list:
     """This process's gradients of ``loss`` w.r.t. ``asked``, in order."""
     if not callable(loss):
-        _check_frozen(_check_loss(loss), asked)
-        return _grads(model, loss, asked, retain_graph, create_graph)
+        with _outside_blocks():
+            _check_frozen(_check_loss(loss), asked)
+            return _grads(model, loss, asked, retain_graph, create_graph)
     if wrt is None:
-        return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
+        value = _called(loss, model, asked)
+        with _outside_blocks():
+            return _grads(model, value, asked, retain_graph, create_graph)
     # autograd.grad also needs the flags on; with create_graph the others keep theirs, so that
     # the gradients stay differentiable w.r.t. them (second-order terms through the forward)
     with _only(model, asked, keep_others=create_graph):
-        return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
+        value = _called(loss, model, asked)
+        with _outside_blocks():
+            return _grads(model, value, asked, retain_graph, create_graph)
 
 
 def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
@@ -262,7 +295,8 @@ def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
             "use_reentrant=False, or make the checkpoint's input require grad (HF: "
             "model.enable_input_require_grads())"
         )
-    off = [path for path, p in asked if not p.requires_grad]
+    with _outside_blocks():
+        off = [path for path, p in asked if not p.requires_grad]
     if off:
         raise RuntimeError(
             f"structural_grad: parameter {off[0]!r} stopped requiring grad during the loss call "
@@ -333,7 +367,7 @@ def _unreachable(asked: Pairs) -> str:
     return (
         f"structural_grad: the loss reaches none of the asked parameters ({_names(asked)}): it was "
         "computed from another model, from copies of the parameters (.detach(), .data, "
-        "ts.stop_gradient, torch.func.functional_call with other tensors), or by a forward "
+        "ts.stop_gradient, ts.swap, torch.func.functional_call with other tensors), or by a forward "
         "that does not use them. A zero gradient here would hide the mistake; compute the loss "
         "from this model, or ask (wrt=) for parameters it uses"
     )
