@@ -592,6 +592,6 @@ def grad_tree(model: nn.Module) -> dict:
         raise TypeError(f"grad_tree: expected an nn.Module, got {type(model).__name__}")
     # which parameters train is read from the parameters themselves, also inside a
     # stop_gradient / swap block (whose mode makes requires_grad read the stand-in's flag)
-    with torch._C.DisableTorchFunction():
+    with _outside_blocks():
         pairs = list(trainable_parameters(model))
     return _tree.from_flat_dict((path, p.grad) for path, p in pairs)
