@@ -21,16 +21,24 @@ Rules shared by all three:
   asked parameter. A loss that reaches none of them (another model, detached copies) is an
   error naming them, and so is an asked parameter used inside a reentrant checkpoint that
   records nothing (none of its inputs requires grad).
+- Inside a ``stop_gradient`` or ``swap`` block, the asked set, the flags and the gradients are
+  those of the parameters themselves (the block's stand-ins are not differentiated): a loss
+  computed outside the block gets its usual gradients, and a callable loss, which runs under
+  the block, reaches the blocked or swapped parameters only where they are used outside it.
 - On a model wrapped by ``DistributedDataParallel`` (the wrapper or its module), the gradients
   are averaged over the ranks, as ``backward()`` leaves them (see :mod:`.distributed`).
 - When ``loss`` is a callable and ``wrt`` is given, the forward runs with exactly the asked
   parameters requiring grad (every other parameter of the model has ``requires_grad=False``
   during the call; all flags are restored afterwards, also when the call raises). Declarations
   and contexts are not consulted for that call, and normalization statistics behave exactly as
-  they would outside it, so the loss value is the same as ``loss(model)``.
+  they would outside it, so the loss value is the same as ``loss(model)``. With
+  ``create_graph=True`` the asked parameters are switched on and every other flag stays as it
+  is, so the gradients are differentiable with respect to every parameter that requires grad
+  (as ``torch.autograd.grad(loss(model), asked, create_graph=True)`` would be).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -41,6 +49,7 @@ from torch.nn.modules import module as _module_mod
 
 from . import _dtensor, _state
 from . import tree as _tree
+from .blocks import _Substitute
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
 from .hooks import apply_pending
@@ -63,11 +72,41 @@ def _asked(model: nn.Module, wrt) -> Pairs:
             "gradients as a tree with ts.grad_tree(model)."
         )
     trainable = list(trainable_parameters(model))  # also attaches the model
-    return trainable if wrt is None else select(model, wrt)
+    if wrt is None:
+        return trainable
+    asked = select(model, wrt)
+    if not asked:
+        raise ValueError(
+            f"structural_grad: wrt={wrt!r} selects no parameter of the model (a module without "
+            "parameters, or a callable that is False everywhere); an empty tree would hide the "
+            "mistake"
+        )
+    return asked
+
+
+@contextlib.contextmanager
+def _outside_blocks():
+    """Within the block, the modes of active ``stop_gradient`` / ``swap`` blocks are lifted
+    (every other torch function mode stays, in its order): the bookkeeping here reads and
+    differentiates the parameters themselves, not their stand-ins. The user's loss callable
+    runs outside this block, under the modes as the user set them."""
+    stack = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())][::-1]  # bottom first
+    keep = [mode for mode in stack if not isinstance(mode, _Substitute)]
+    for mode in keep:
+        torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        for _ in keep:
+            torch._C._pop_torch_function_stack()
+        for mode in stack:
+            torch._C._push_on_torch_function_stack(mode)
 
 
 class _only:
-    """Within the block, exactly the ``asked`` parameters of ``model`` require grad.
+    """Within the block, exactly the ``asked`` parameters of ``model`` require grad (with
+    ``keep_others``: the asked ones are switched on and every other flag stays as it is).
 
     The flags written here are recorded as torchstruct's own (the starting flags stay), so
     trainability read inside the block (``ts.trainable_parameters`` in a loss term) is the
@@ -75,28 +114,30 @@ class _only:
     the block raises.
     """
 
-    def __init__(self, model: nn.Module, asked: Pairs) -> None:
+    def __init__(self, model: nn.Module, asked: Pairs, keep_others: bool = False) -> None:
         self.model = model
         self.params = index(model).params
         self.ids = {id(p) for _, p in asked}
+        self.keep_others = keep_others
 
     def __enter__(self) -> None:
-        with _state.LOCK:
+        with _state.LOCK, _outside_blocks():
             apply_pending(self.model)  # else the hook would apply during the call
             self.before = [(p.requires_grad, _state.record(p)) for p in self.params]
             done = 0
             try:
                 for p in self.params:
-                    base, since, _ = starting_flag(p, "", {})
-                    p.requires_grad_(id(p) in self.ids)
-                    _state.set_record(p, base, id(p) in self.ids, since)
+                    if id(p) in self.ids or not self.keep_others:
+                        base, since, _ = starting_flag(p, "", {})
+                        p.requires_grad_(id(p) in self.ids)
+                        _state.set_record(p, base, id(p) in self.ids, since)
                     done += 1
             except BaseException:  # e.g. an unmaterialized lazy parameter: nothing changed
                 self._restore(done + 1)
                 raise
 
     def __exit__(self, *exc) -> None:
-        with _state.LOCK:
+        with _state.LOCK, _outside_blocks():
             self._restore(len(self.params))
 
     def _restore(self, count: int) -> None:
@@ -137,8 +178,9 @@ def _check_frozen(loss: torch.Tensor, asked: Pairs) -> None:
 def _check_requires_grad(loss: torch.Tensor, asked: Pairs) -> None:
     if not loss.requires_grad:
         raise ValueError(
-            "structural_grad: the loss does not require grad (computed under torch.no_grad(), or "
-            f"from frozen parameters only; it reaches none of {_names(asked)})"
+            "structural_grad: the loss does not require grad (computed under torch.no_grad(), "
+            "from frozen parameters only, or with the parameters blocked by ts.stop_gradient or "
+            f"replaced by ts.swap; it reaches none of {_names(asked)})"
         )
 
 
@@ -163,7 +205,9 @@ def structural_grad(
         loss: a scalar tensor already computed from ``model``, or a callable
             ``loss(model) -> scalar tensor`` (called once here). With a callable and ``wrt``
             given, the forward runs with exactly the ``wrt`` parameters requiring grad, so
-            autograd neither records nor saves anything for the others.
+            autograd neither records nor saves anything for the others (with
+            ``create_graph=True``: the ``wrt`` parameters switched on, the others as they are,
+            so that the gradients stay differentiable with respect to them).
         wrt: a selector (see :func:`torchstruct.select`) picking the parameters to
             differentiate, for this call only. ``None``: the effectively trainable parameters.
         retain_graph: keep the graph for another backward; defaults to ``create_graph``.
@@ -181,7 +225,8 @@ def structural_grad(
             callable does not return a tensor.
         ValueError: the loss is not a scalar or does not require grad; an asked parameter does
             not require grad when ``loss`` is a tensor (it has no graph; the message names its
-            path); a ``wrt`` selector matching nothing (closest paths named); the loss reaches
+            path); a ``wrt`` selector matching nothing (closest paths named) or selecting no
+            parameter (a module without parameters, a callable False everywhere); the loss reaches
             none of the asked parameters (paths named); an asked parameter is used inside a
             reentrant checkpoint none of whose inputs requires grad; under DDP, a tensor loss
             outside ``ddp.no_sync()``, or ``create_graph=True``.
@@ -200,7 +245,8 @@ def structural_grad(
         >>> m[1].weight.grad is None
         True
     """
-    asked = _asked(model, wrt)
+    with _outside_blocks():
+        asked = _asked(model, wrt)
     if not callable(loss):
         _check_loss(loss)  # a bad loss is a TypeError / ValueError everywhere, DDP or not
     ddp = ddp_wrapper(model)
@@ -219,12 +265,19 @@ def structural_grad(
 def _local(model: nn.Module, loss, asked: Pairs, wrt, retain_graph, create_graph) -> list:
     """This process's gradients of ``loss`` w.r.t. ``asked``, in order."""
     if not callable(loss):
-        _check_frozen(_check_loss(loss), asked)
-        return _grads(model, loss, asked, retain_graph, create_graph)
+        with _outside_blocks():
+            _check_frozen(_check_loss(loss), asked)
+            return _grads(model, loss, asked, retain_graph, create_graph)
     if wrt is None:
-        return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
-    with _only(model, asked):  # autograd.grad also needs the flags on
-        return _grads(model, _called(loss, model, asked), asked, retain_graph, create_graph)
+        value = _called(loss, model, asked)
+        with _outside_blocks():
+            return _grads(model, value, asked, retain_graph, create_graph)
+    # autograd.grad also needs the flags on; with create_graph the others keep theirs, so that
+    # the gradients stay differentiable w.r.t. them (second-order terms through the forward)
+    with _only(model, asked, keep_others=create_graph):
+        value = _called(loss, model, asked)
+        with _outside_blocks():
+            return _grads(model, value, asked, retain_graph, create_graph)
 
 
 def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
@@ -242,7 +295,8 @@ def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
             "use_reentrant=False, or make the checkpoint's input require grad (HF: "
             "model.enable_input_require_grads())"
         )
-    off = [path for path, p in asked if not p.requires_grad]
+    with _outside_blocks():
+        off = [path for path, p in asked if not p.requires_grad]
     if off:
         raise RuntimeError(
             f"structural_grad: parameter {off[0]!r} stopped requiring grad during the loss call "
@@ -313,7 +367,7 @@ def _unreachable(asked: Pairs) -> str:
     return (
         f"structural_grad: the loss reaches none of the asked parameters ({_names(asked)}): it was "
         "computed from another model, from copies of the parameters (.detach(), .data, "
-        "ts.stop_gradient, torch.func.functional_call with other tensors), or by a forward "
+        "ts.stop_gradient, ts.swap, torch.func.functional_call with other tensors), or by a forward "
         "that does not use them. A zero gradient here would hide the mistake; compute the loss "
         "from this model, or ask (wrt=) for parameters it uses"
     )
@@ -520,7 +574,8 @@ def grad_tree(model: nn.Module) -> dict:
 
     Returns:
         A tree of the ``.grad`` tensors themselves (not copies), tied parameters once at their
-        first path; parameters whose ``.grad`` is ``None`` are absent.
+        first path; parameters whose ``.grad`` is ``None`` are absent. Inside a
+        ``stop_gradient`` block the blocked parameters are included as outside it.
 
     Raises:
         TypeError: ``model`` is not a module.
@@ -535,4 +590,8 @@ def grad_tree(model: nn.Module) -> dict:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"grad_tree: expected an nn.Module, got {type(model).__name__}")
-    return _tree.from_flat_dict((path, p.grad) for path, p in trainable_parameters(model))
+    # which parameters train is read from the parameters themselves, also inside a
+    # stop_gradient / swap block (whose mode makes requires_grad read the stand-in's flag)
+    with _outside_blocks():
+        pairs = list(trainable_parameters(model))
+    return _tree.from_flat_dict((path, p.grad) for path, p in pairs)

@@ -358,7 +358,7 @@ def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
     Raises:
         ValueError: leaves live on different devices (names two paths and
             their devices), or as :func:`paths`.
-        TypeError: as :func:`paths`.
+        TypeError: a sparse (non-strided) leaf (its path named), or as :func:`paths`.
 
     Example:
         >>> import torch
@@ -378,6 +378,11 @@ def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
     device_path: tuple[str, torch.device] | None = None
     offset = 0
     for path, leaf in _walk(tree):
+        if leaf.layout != torch.strided:
+            raise TypeError(
+                f"flatten: the leaf at {path!r} has layout {leaf.layout} (sparse); only strided "
+                f"tensors can be flattened (densify it with .to_dense() first)"
+            )
         if device_path is None:
             device_path = (path, leaf.device)
         elif leaf.device != device_path[1]:

@@ -75,7 +75,8 @@ def within_gradient(*xs: Tensor | nn.Module) -> bool:
         argument is given.
 
     Raises:
-        TypeError: an argument that is neither a tensor nor a module.
+        TypeError: an argument that is neither a tensor nor a module (every argument is
+            checked, whatever the others say).
 
     Example:
         >>> import torch, torchstruct as ts
@@ -89,16 +90,16 @@ def within_gradient(*xs: Tensor | nn.Module) -> bool:
         >>> torch.func.grad(f)(torch.ones(2))
         tensor([2., 2.])
     """
-    for i, x in enumerate(xs):
-        if isinstance(x, nn.Module):
-            if any(_tracked(p) for p in x.parameters()):
-                return True
-        elif isinstance(x, Tensor):
-            if _tracked(x):
-                return True
-        else:
+    for i, x in enumerate(xs):  # every argument is checked, also after one that is tracked
+        if not isinstance(x, (Tensor, nn.Module)):
             raise TypeError(
                 f"within_gradient: argument {i} must be a Tensor or an nn.Module, got "
                 f"{type(x).__name__}"
             )
+    for x in xs:
+        if isinstance(x, nn.Module):
+            if any(_tracked(p) for p in x.parameters()):
+                return True
+        elif _tracked(x):
+            return True
     return False
