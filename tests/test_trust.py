@@ -4,6 +4,7 @@ modules that leave a model, empty selectors and registrations elsewhere.
 Each test is what a suspicious user would try, on plain PyTorch modules and on the real PEFT /
 transformers / swa_utils code where the case comes from.
 """
+import contextlib
 import copy
 import io
 import os
@@ -416,3 +417,113 @@ def test_ts_optim_refuses_complex_parameters_at_construction(opt):
     with pytest.raises(TypeError, match="complex"):
         o.add_param_group({"params": [m.phase]})
     assert len(o.param_groups) == 1
+
+
+# ------------------------------------------------- bookkeeping inside stop_gradient / swap
+# Inside these blocks ``p.requires_grad`` reads the stand-in's flag (docs/stop_gradient.md);
+# torchstruct's own reads and writes must still see, and change, the parameters themselves.
+def _blocks(m):
+    yield "stop_gradient", lambda: ts.stop_gradient(m[0])
+    yield "swap", lambda: ts.swap(m, {"0.weight": m[0].weight.detach().clone()})
+
+
+@pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
+def test_flags_written_inside_a_substituting_block_reach_the_parameters(kind):
+    def fresh():
+        m = mlp()
+        ts.attach(m)
+        return m, dict(_blocks(m))[kind]
+
+    m, block = fresh()
+    with block():
+        ts.freeze(m, "0")  # bare call: from now on
+    assert flags(m)["0.weight"] is False and flags(m)["0.bias"] is False
+    assert not ts.is_trainable(m, "0.weight")
+
+    m, block = fresh()
+    with block():
+        ts.mark_trainable(m, "2", "3")
+    assert flags(m) == {k: not k.startswith("0.") for k in flags(m)}
+
+    m, block = fresh()
+    with block():
+        with ts.freeze_except(m, "3"):
+            pass
+    assert flags(m) == dict.fromkeys(flags(m), True)  # restored, not "written by hand"
+    with ts.freeze(m, "2"):
+        assert flags(m)["0.weight"] is True and flags(m)["2.weight"] is False
+
+
+@pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
+def test_reads_inside_a_substituting_block_are_the_models(kind):
+    m = mlp()
+    ts.freeze(m, "2")
+    m(torch.randn(3, 4)).sum().backward()
+    want = (
+        [path for path, _ in ts.trainable_parameters(m)],
+        sorted(ts.state_dict(m)),
+        ts.summary(m),
+        ts.global_norm(m),
+        ts.is_trainable(m, "0.weight"),
+    )
+    with dict(_blocks(m))[kind]():
+        got = (
+            [path for path, _ in ts.trainable_parameters(m)],
+            sorted(ts.state_dict(m)),
+            ts.summary(m),
+            ts.global_norm(m),
+            ts.is_trainable(m, "0.weight"),
+        )
+        assert m[0].weight.requires_grad is False  # the stand-in's flag
+    assert got[:3] == want[:3] and torch.equal(got[3], want[3]) and got[4] is want[4]
+
+
+def test_a_registration_applied_by_a_forward_inside_stop_gradient():
+    m = mlp()
+    ts.attach(m)
+    ts.mark_trainable(m, "3")
+    with ts.stop_gradient(m[0]):
+        m.append(nn.Linear(2, 2))  # a new head, not declared: frozen at the next forward
+        m(torch.randn(1, 4))
+    assert flags(m) == {k: k.startswith("3.") for k in flags(m)}
+
+
+def test_another_threads_block_does_not_lift_or_leak():
+    """Modes are per thread: a block open in one thread neither changes what the lock lifts in
+    another nor is lifted for good by it."""
+    m = mlp()
+    ts.attach(m)
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def worker():
+        with ts.stop_gradient(m[0]):
+            inside.set()
+            done.wait(5)
+            seen["worker"] = m[0].weight.requires_grad  # still the stand-in's after the lock
+    t = threading.Thread(target=worker)
+    t.start()
+    assert inside.wait(5)
+    with ts.freeze(m, "2"):  # this thread takes the lock while the worker's block is open
+        seen["main"] = m[0].weight.requires_grad
+    done.set()
+    t.join(5)
+    assert seen == {"main": True, "worker": False}
+    assert flags(m) == dict.fromkeys(flags(m), True)
+
+
+@pytest.mark.parametrize("opt", ["SGD", "AdamW"])
+def test_ts_optim_step_inside_stop_gradient_steps_the_blocked_parameters(opt):
+    """docs/stop_gradient.md: an optimizer step inside the block works (``p.requires_grad``
+    reads the stand-in's False there; the step must not take it for a frozen parameter)."""
+    models = []
+    for inside in (False, True):
+        torch.manual_seed(0)
+        m = mlp()
+        o = getattr(ts.optim, opt)(m.parameters(), lr=0.1, weight_decay=0.01)
+        m(torch.randn(3, 4)).sum().backward()
+        with ts.stop_gradient(m) if inside else contextlib.nullcontext():
+            o.step()
+        models.append(m)
+    for a, b in zip(*(m.parameters() for m in models)):
+        assert torch.equal(a, b)

@@ -18,7 +18,9 @@ Everything torchstruct remembers between calls lives here, and nowhere else:
 - ``flag_guards``: callbacks consulted before flags change (``torchstruct.distributed``).
 
 Every change of these happens under :data:`LOCK` (re-entrant), so contexts entered and left
-from several threads compose as if they ran one after another. Nothing here keeps a model or a
+from several threads compose as if they ran one after another. While a thread holds it, the
+stand-ins of its ``stop_gradient`` / ``swap`` blocks are lifted (:func:`without_stand_ins`):
+flags are read and written on the parameters themselves. Nothing here keeps a model or a
 parameter alive.
 
 A registration anywhere in the process (``register_parameter``, ``add_module``, attribute
@@ -27,14 +29,78 @@ changed: building an unrelated module costs the attached models nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
-LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def without_stand_ins():
+    """Within the block, this thread's torch function modes that stand tensors in for
+    parameters (``stop_gradient`` and ``swap`` blocks: modes with a true ``stands_in``
+    attribute) are lifted, every other mode staying in its order: code here reads and writes
+    the parameters themselves (``p.requires_grad`` is the parameter's flag, not its stand-in's).
+    """
+    depth = torch._C._len_torch_function_stack()
+    if not depth:
+        yield
+        return
+    stack = [torch._C._pop_torch_function_stack() for _ in range(depth)][::-1]  # bottom first
+    keep = [mode for mode in stack if not getattr(mode, "stands_in", False)]
+    for mode in keep:
+        torch._C._push_on_torch_function_stack(mode)
+    try:
+        yield
+    finally:
+        for _ in keep:
+            torch._C._pop_torch_function_stack()
+        for mode in stack:
+            torch._C._push_on_torch_function_stack(mode)
+
+
+class _Lock:
+    """A re-entrant lock; while a thread holds it, :func:`without_stand_ins` is in force for
+    that thread: torchstruct's bookkeeping (flags, records, declarations, the user's
+    ``trainable()`` and selector callables it runs) sees the parameters, also when it runs
+    inside a ``stop_gradient`` or ``swap`` block."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._held = threading.local()  # this thread's depth and its lifting block
+
+    def __enter__(self) -> "_Lock":
+        self._lock.acquire()
+        held = self._held
+        depth = getattr(held, "depth", 0)
+        if not depth:
+            try:
+                lifting = without_stand_ins()
+                lifting.__enter__()
+            except BaseException:
+                self._lock.release()
+                raise
+            held.lifting = lifting
+        held.depth = depth + 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        held = self._held
+        held.depth -= 1
+        try:
+            if not held.depth:
+                lifting, held.lifting = held.lifting, None
+                lifting.__exit__(None, None, None)
+        finally:
+            self._lock.release()
+
+
+LOCK = _Lock()
 
 # id(parameter) -> (weakref to it, starting flag, flag torchstruct last wrote, serial of the
 # newest context or declaration that does not apply to it because someone else wrote its flag

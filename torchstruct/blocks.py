@@ -59,6 +59,8 @@ class _Substitute(TorchFunctionMode):
     named in ``own`` keep acting on the parameter itself.
     """
 
+    stands_in = True  # lifted while torchstruct works on the parameters (_state.LOCK)
+
     def __init__(self, table: dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]],
                  own: frozenset[str] = frozenset()) -> None:
         super().__init__()

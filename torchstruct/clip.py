@@ -8,16 +8,23 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import _ops, tree
+from . import _ops, _state, tree
 from .declare import trainable_parameters
 
 __all__ = ["clip_by_global_norm", "clip_grad_norm_", "global_norm"]
 
 
+def _model_grads(model: nn.Module) -> list[torch.Tensor]:
+    """The gradients of ``model``'s trainable parameters: the parameters' own, also inside a
+    ``swap`` block (where ``p.grad`` reads the stand-in's)."""
+    with _state.without_stand_ins():
+        return [p.grad for _, p in trainable_parameters(model) if p.grad is not None]
+
+
 def _tensors(x) -> list[torch.Tensor]:
     """A model (its trainable parameters' gradients), a tree (its leaves) or tensors -> list."""
     if isinstance(x, nn.Module):
-        return [p.grad for _, p in trainable_parameters(x) if p.grad is not None]
+        return _model_grads(x)
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, dict):  # a tree: its leaves, a tensor held at several paths once
@@ -57,7 +64,7 @@ def global_norm(x, norm_type: float = 2.0) -> torch.Tensor:
 def _grads_to_clip(params) -> list[torch.Tensor]:
     """The gradients ``clip_by_global_norm`` works on (see its docstring)."""
     if isinstance(params, nn.Module):
-        return [p.grad for _, p in trainable_parameters(params) if p.grad is not None]
+        return _model_grads(params)
     if isinstance(params, dict):  # a tree of gradients: its leaves, a shared tensor once
         return list({id(t): t for t in tree.leaves(params)}.values())
     if isinstance(params, torch.Tensor):

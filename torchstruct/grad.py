@@ -38,7 +38,6 @@ Rules shared by all three:
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from collections.abc import Callable
@@ -49,7 +48,6 @@ from torch.nn.modules import module as _module_mod
 
 from . import _dtensor, _state
 from . import tree as _tree
-from .blocks import _Substitute
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
 from .hooks import apply_pending
@@ -84,26 +82,6 @@ def _asked(model: nn.Module, wrt) -> Pairs:
     return asked
 
 
-@contextlib.contextmanager
-def _outside_blocks():
-    """Within the block, the modes of active ``stop_gradient`` / ``swap`` blocks are lifted
-    (every other torch function mode stays, in its order): the bookkeeping here reads and
-    differentiates the parameters themselves, not their stand-ins. The user's loss callable
-    runs outside this block, under the modes as the user set them."""
-    stack = [torch._C._pop_torch_function_stack()
-             for _ in range(torch._C._len_torch_function_stack())][::-1]  # bottom first
-    keep = [mode for mode in stack if not isinstance(mode, _Substitute)]
-    for mode in keep:
-        torch._C._push_on_torch_function_stack(mode)
-    try:
-        yield
-    finally:
-        for _ in keep:
-            torch._C._pop_torch_function_stack()
-        for mode in stack:
-            torch._C._push_on_torch_function_stack(mode)
-
-
 class _only:
     """Within the block, exactly the ``asked`` parameters of ``model`` require grad (with
     ``keep_others``: the asked ones are switched on and every other flag stays as it is).
@@ -121,7 +99,7 @@ class _only:
         self.keep_others = keep_others
 
     def __enter__(self) -> None:
-        with _state.LOCK, _outside_blocks():
+        with _state.LOCK:  # (stand-ins lifted)
             apply_pending(self.model)  # else the hook would apply during the call
             self.before = [(p.requires_grad, _state.record(p)) for p in self.params]
             done = 0
@@ -137,7 +115,7 @@ class _only:
                 raise
 
     def __exit__(self, *exc) -> None:
-        with _state.LOCK, _outside_blocks():
+        with _state.LOCK:  # (stand-ins lifted)
             self._restore(len(self.params))
 
     def _restore(self, count: int) -> None:
@@ -245,7 +223,7 @@ def structural_grad(
         >>> m[1].weight.grad is None
         True
     """
-    with _outside_blocks():
+    with _state.without_stand_ins():
         asked = _asked(model, wrt)
     if not callable(loss):
         _check_loss(loss)  # a bad loss is a TypeError / ValueError everywhere, DDP or not
@@ -265,18 +243,18 @@ def structural_grad(
 def _local(model: nn.Module, loss, asked: Pairs, wrt, retain_graph, create_graph) -> list:
     """This process's gradients of ``loss`` w.r.t. ``asked``, in order."""
     if not callable(loss):
-        with _outside_blocks():
+        with _state.without_stand_ins():
             _check_frozen(_check_loss(loss), asked)
             return _grads(model, loss, asked, retain_graph, create_graph)
     if wrt is None:
         value = _called(loss, model, asked)
-        with _outside_blocks():
+        with _state.without_stand_ins():
             return _grads(model, value, asked, retain_graph, create_graph)
     # autograd.grad also needs the flags on; with create_graph the others keep theirs, so that
     # the gradients stay differentiable w.r.t. them (second-order terms through the forward)
     with _only(model, asked, keep_others=create_graph):
         value = _called(loss, model, asked)
-        with _outside_blocks():
+        with _state.without_stand_ins():
             return _grads(model, value, asked, retain_graph, create_graph)
 
 
@@ -295,7 +273,7 @@ def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
             "use_reentrant=False, or make the checkpoint's input require grad (HF: "
             "model.enable_input_require_grads())"
         )
-    with _outside_blocks():
+    with _state.without_stand_ins():
         off = [path for path, p in asked if not p.requires_grad]
     if off:
         raise RuntimeError(
@@ -592,6 +570,6 @@ def grad_tree(model: nn.Module) -> dict:
         raise TypeError(f"grad_tree: expected an nn.Module, got {type(model).__name__}")
     # which parameters train is read from the parameters themselves, also inside a
     # stop_gradient / swap block (whose mode makes requires_grad read the stand-in's flag)
-    with _outside_blocks():
+    with _state.without_stand_ins():
         pairs = list(trainable_parameters(model))
     return _tree.from_flat_dict((path, p.grad) for path, p in pairs)

@@ -41,7 +41,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import _dtensor, _ops
+from .. import _dtensor, _ops, _state
 from .._reference import FLOAT_DTYPES, _is_non_overlapping_and_dense, validate_norm_type
 from ..select import _closest
 
@@ -338,7 +338,12 @@ class MaskedOptimizer(torch.optim.Optimizer):
     @_ops.run_eagerly
     def _plan(self) -> List[tuple]:
         """[(group, params)] of what this step updates; raises (before any write)
-        on bad input."""
+        on bad input. Flags are the parameters' own, also inside a ``stop_gradient`` block
+        (where ``p.requires_grad`` reads the stand-in's False)."""
+        with _state.without_stand_ins():
+            return self._plan_now()
+
+    def _plan_now(self) -> List[tuple]:
         name = type(self).__name__
         masks = self.masks
         seen = set()
