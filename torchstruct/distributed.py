@@ -9,7 +9,8 @@ error that says what to do, and changes no flag:
 
 - a parameter that DDP does not synchronize would start training: always refused (re-wrap);
 - a synchronized parameter would stop training: refused unless the wrapper was built with
-  ``find_unused_parameters=True``, which copes with it.
+  ``find_unused_parameters=True`` (and without ``static_graph=True``, which fixes the used
+  set after the first step), which copes with it.
 
 Leaving a context always restores the flags; when that changes what a live wrapper
 synchronizes (the model was wrapped inside the context), a ``RuntimeWarning`` says so.
@@ -69,6 +70,13 @@ def _ddp_problem(path: str, p, flag: bool) -> str | None:
             f"{path!r} would start training, but DistributedDataParallel synchronizes only the "
             "parameters that required grad when it was built: its gradient would differ between "
             "ranks. Change what trains before wrapping (wrap the model again after the change)."
+        )
+    if not flag and hit[1] and getattr(ddp, "static_graph", False):
+        return (
+            f"{path!r} would stop training, but DistributedDataParallel was built with "
+            "static_graph=True, which fixes after the first step which parameters get a "
+            "gradient, and waits for its gradient at every step. Change what trains before "
+            "wrapping, or wrap without static_graph and with find_unused_parameters=True."
         )
     if not flag and hit[1] and not ddp.find_unused_parameters:
         return (
