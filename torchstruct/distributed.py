@@ -54,7 +54,10 @@ def _on_module_registered(module: nn.Module, name: str, inner) -> None:
     """Record, as DDP is built, which parameters of its module it will synchronize."""
     if isinstance(module, DistributedDataParallel) and name == "module":
         ref = weakref.ref(module)
-        for p in inner.parameters():
+        ignored = getattr(module, "parameters_to_ignore", ())  # DDP leaves their flags free
+        for path, p in inner.named_parameters():
+            if path in ignored:
+                continue
             _wrapped[id(p)] = (ref, p.requires_grad)
             weakref.finalize(p, _wrapped.pop, id(p), None)
 
