@@ -125,15 +125,17 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
 
     ``compute`` runs under ``ddp.no_sync()``: a forward there prepares no reduction, so
     ``autograd.grad`` leaves DDP's reducer ready for the next training step. Every rank learns
-    whether another one failed before any gradient is exchanged, so an error on one rank is an
-    error on all of them, never a hang. Parameters DDP was told to ignore
-    (``_ddp_params_and_buffers_to_ignore``) keep their local gradient, as with ``backward()``.
+    whether another one failed, or asks for other parameters, before any gradient is
+    exchanged, so an error on one rank is an error on all of them, never a hang. Parameters
+    DDP was told to ignore (``_ddp_params_and_buffers_to_ignore``) keep their local gradient,
+    as with ``backward()``.
 
     Raises:
         ValueError: ``tensor_loss`` outside ``ddp.no_sync()`` (the forward already prepared a
             reduction that only ``backward()`` completes), or ``create_graph``.
         RuntimeError: a communication hook or mixed precision is set on ``ddp`` (``backward()``
-            reduces through it; a plain average would differ); another rank failed.
+            reduces through it; a plain average would differ); another rank failed; the ranks
+            ask for different parameters.
     """
     _check_plain_average(ddp, tensor_loss, create_graph)
     error, grads = None, None
@@ -142,7 +144,7 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
             grads = compute()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it first
             error = e
-    _agree(ddp, error)
+    _agree(ddp, error, params)
     ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
     return _average(ddp, [(p, g) for p, g in zip(params, grads)], ignored)
 
@@ -185,16 +187,32 @@ def _device(ddp) -> torch.device:
     return torch.device("cpu") if p is None else p.device
 
 
-def _agree(ddp, error: BaseException | None) -> None:
-    """Raise on every rank if any rank failed (this rank's own error where it has one)."""
-    failed = torch.tensor([0.0 if error is None else 1.0], device=_device(ddp))
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ddp.process_group)
+def _agree(ddp, error: BaseException | None, params: list) -> None:
+    """Raise on every rank if any rank failed (this rank's own error where it has one), or if
+    the ranks ask for different parameters (``wrt=`` or the trainable set differs): their
+    gradients could not be averaged (a collective of mismatched sizes crashes or hangs)."""
+    position = {}
+    for p in ddp.module.parameters():
+        position.setdefault(id(p), len(position) + 1)
+    at = [float(position.get(id(p), 0)) for p in params]
+    mine = [0.0 if error is None else 1.0, float(len(at)), sum(at), sum(a * a for a in at),
+            float(sum(p.numel() for p in params))]
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.float64, device=_device(ddp))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ddp.process_group)
     if error is not None:
         raise error
-    if failed.item():
+    if both[0].item():
         raise RuntimeError(
             "structural_grad: another rank of the DistributedDataParallel group raised while "
             "computing its gradients (its error names the cause); no gradient was exchanged"
+        )
+    n = len(mine)
+    if not torch.equal(both[1:n], -both[n + 1:]):
+        raise RuntimeError(
+            "structural_grad: the ranks of the DistributedDataParallel group ask for different "
+            f"parameters (this rank: {len(params)}); every rank must ask for the same ones (the "
+            "same wrt=, and the same parameters trainable on every rank). "
+            "No gradient was exchanged"
         )
 
 
