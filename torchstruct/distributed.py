@@ -33,6 +33,7 @@ parameters and gradients are handled where the ops meet the kernels (``torchstru
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -139,7 +140,7 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
     """
     _check_plain_average(ddp, tensor_loss, create_graph)
     error, grads = None, None
-    with ddp.no_sync():
+    with ddp.no_sync(), _buffers_synced_first(ddp):
         try:
             grads = compute()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it first
@@ -147,6 +148,23 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
     _agree(ddp, error, params)
     ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
     return _average(ddp, [(p, g) for p, g in zip(params, grads)], ignored)
+
+
+@contextlib.contextmanager
+def _buffers_synced_first(ddp):
+    """Broadcast rank 0's buffers now, as ``ddp``'s next forward would, and let that forward
+    skip it: the broadcast is a collective, so a loss callable that raises on one rank before
+    the forward would otherwise leave the other ranks waiting in it (a hang)."""
+    pre_forward = getattr(ddp, "_check_sync_bufs_pre_fwd", None)
+    if pre_forward is None or not pre_forward() or hasattr(ddp, "buffer_hook"):
+        yield
+        return
+    ddp._sync_buffers()
+    ddp.broadcast_buffers = False
+    try:
+        yield
+    finally:
+        ddp.broadcast_buffers = True
 
 
 def _check_plain_average(ddp, tensor_loss: bool, create_graph: bool) -> None:
