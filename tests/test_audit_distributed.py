@@ -378,3 +378,185 @@ def test_ddp_structural_grad_and_norms_are_the_averaged_ones(ddp_checks):
     "the ranks agree on what trains, at a point every rank reaches) or equal parameters."))
 def test_ddp_a_parameter_frozen_on_one_rank_only_is_an_error(ddp_checks):
     _assert_ok(_part(ddp_checks, "freeze: ", xfail=True), 1)
+
+
+# ----------------------------------------------------------------------------- FSDP2
+def _fully_shard():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch < 2.6
+        try:
+            from torch.distributed._composable.fsdp import fully_shard
+        except ImportError:
+            return None
+    return fully_shard
+
+
+def _fsdp_model(shard=True, freeze=None):
+    """Uneven shards: 7 and 3 rows over 2 ranks, a 1-element bias (rank 1's shard is empty)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(5, 7), nn.LayerNorm(7), nn.Linear(7, 3), nn.Tanh(),
+                      nn.Linear(3, 1))
+    if freeze:
+        ts.freeze(m, freeze)
+    if shard:
+        for layer in (m[0], m[2], m[4]):
+            _fully_shard()(layer)
+        _fully_shard()(m)
+    return m
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _brute(tensors, p):
+    flat = torch.cat([t.detach().reshape(-1).double() for t in tensors])
+    if p == float("inf"):
+        return flat.abs().max().float()
+    return flat.abs().pow(p).sum().pow(1.0 / p).float()
+
+
+def _fsdp_numbers(rank, checks):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    x, y = _batch()
+    x, y = torch.cat([x, x[:, :1]], 1), y[:, :1]  # 5 features, 1 output
+    xs, ys = _half(x, rank), _half(y, rank)
+
+    def step(m, a, b):
+        _mse(m(a), b).backward()
+
+    # ts.clip_by_global_norm against torch.nn.utils.clip_grad_norm_ on the same sharded model,
+    # and against a single process on the unsharded one
+    for p_norm in (1.0, 2.0, float("inf"), 3.0, 0.5):
+        ref, a, b = _fsdp_model(shard=False), _fsdp_model(), _fsdp_model()
+        step(ref, x, y)
+        step(a, xs, ys)
+        step(b, xs, ys)
+        full_grads = [q.grad for q in ref.parameters()]
+        want = _brute(full_grads, p_norm)
+        got = ts.clip_by_global_norm(a.parameters(), 0.01, norm_type=p_norm)
+        _check(checks, f"clip norm {p_norm} == brute force", _close(got, want, rtol=1e-4),
+               f"{float(got)} vs {float(want)}")
+        _check(checks, f"clip norm {p_norm} is a plain tensor", type(got) is torch.Tensor)
+        if p_norm in (1.0, 2.0, 3.0):  # torch's inf norm raises on rank 1's empty shard
+            theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.01, norm_type=p_norm)
+            _check(checks, f"clip norm {p_norm} == torch's on FSDP",
+                   _close(got, _full(theirs), rtol=1e-5), f"{float(got)} vs {float(_full(theirs))}")
+            _check(checks, f"clipped grads {p_norm} == torch's on FSDP", all(
+                _close(_full(g.grad), _full(h.grad)) for g, h in zip(a.parameters(),
+                                                                   b.parameters())))
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type=p_norm)
+        _check(checks, f"clipped grads {p_norm} == unsharded", all(
+            _close(_full(g.grad), h.grad, rtol=1e-4) for g, h in zip(a.parameters(),
+                                                                   ref.parameters())))
+
+    # mixed DTensor and plain tensors: the plain ones are taken as the same on every rank
+    ref, m = _fsdp_model(shard=False), _fsdp_model()
+    step(ref, x, y)
+    step(m, xs, ys)
+    extra = torch.linspace(-3.0, 2.0, 4)  # the same on every rank
+    for p_norm in (1.0, 2.0, float("inf")):
+        got = ts.global_norm([q.grad for q in m.parameters()] + [extra], p_norm)
+        want = _brute([q.grad for q in ref.parameters()] + [extra], p_norm)
+        _check(checks, f"mixed DTensor and plain, norm {p_norm}", _close(got, want, rtol=1e-5),
+               f"{float(got)} vs {float(want)}")
+    # a tree of gradients (grad_tree), clipped in place
+    tree = ts.grad_tree(m)
+    total = ts.clip_by_global_norm(tree, 0.02)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.02)
+    _check(checks, "clip of a grad_tree: global norm", _close(total, want, rtol=1e-5),
+           f"{float(total)} vs {float(want)}")
+    _check(checks, "clip of a grad_tree: grads clipped in place", all(
+        _close(_full(g.grad), h.grad, rtol=1e-4) for g, h in zip(m.parameters(),
+                                                               ref.parameters())))
+
+    # tensors of which one rank holds only empty shards (a 1-element tensor over 2 ranks)
+    mesh = init_device_mesh("cpu", (2,))
+    one = distribute_tensor(torch.tensor([-2.5]), mesh, [Shard(0)])
+    _check(checks, "rank 1 holds an empty shard", one.to_local().numel() == (1 - rank))
+    for p_norm in (1.0, 2.0, float("inf"), 3.0):
+        got = ts.global_norm([one], p_norm)
+        _check(checks, f"only empty shards on rank 1, norm {p_norm}",
+               _close(got, torch.tensor(2.5)), f"{float(got)}")
+    g1 = distribute_tensor(torch.tensor([4.0]), mesh, [Shard(0)])
+    total = ts.clip_by_global_norm([g1], 1.0)
+    _check(checks, "clip of a list of DTensor tensors (.grad absent): nothing clipped, norm 0",
+           _close(total, torch.tensor(0.0)), f"{float(total)}")
+    # a model with nothing trainable: norm 0 on every rank, no collective needed
+    frozen = _fsdp_model(freeze="*")
+    _check(checks, "nothing trainable: global_norm 0", float(ts.global_norm(frozen)) == 0.0)
+
+    # AdamW(max_grad_norm) on a sharded model frozen in part, against torch on the unsharded one
+    ref, m = _fsdp_model(shard=False, freeze="2"), _fsdp_model(freeze="2")
+    opt_ref = torch.optim.AdamW([q for q in ref.parameters() if q.requires_grad], lr=0.05,
+                                foreach=False)
+    opt = ts.optim.AdamW(m.parameters(), lr=0.05, max_grad_norm=0.05)
+    for _ in range(3):
+        step(ref, x, y)
+        norm = torch.nn.utils.clip_grad_norm_([q for q in ref.parameters() if q.requires_grad],
+                                              0.05)
+        opt_ref.step()
+        opt_ref.zero_grad()
+        step(m, xs, ys)
+        opt.step()
+        opt.zero_grad()
+        _check(checks, "fsdp AdamW last_grad_norm", _close(opt.last_grad_norm, norm),
+               f"{float(opt.last_grad_norm)} vs {float(norm)}")
+    _check(checks, "fsdp AdamW(max_grad_norm) parameters", all(
+        _close(_full(p), q) for p, q in zip(m.parameters(), ref.parameters())))
+    _check(checks, "fsdp AdamW: frozen layer unchanged, no state",
+           torch.equal(_full(m[2].weight), _fsdp_model(shard=False)[2].weight)
+           and m[2].weight not in opt.state)
+
+    # param_groups: every parameter once, biases and norms without decay, lr_scale=0 unchanged
+    m = _fsdp_model()
+    groups = ts.param_groups(m, ("0", {"lr_scale": 0.0}), weight_decay=0.1)
+    listed = [q for g in groups for q in g["params"]]
+    _check(checks, "param_groups: every sharded parameter once",
+           len(listed) == len(list(m.parameters()))
+           and {id(q) for q in listed} == {id(q) for q in m.parameters()})
+    no_decay = {id(q) for g in groups if g.get("weight_decay") == 0.0 for q in g["params"]}
+    _check(checks, "param_groups: biases and LayerNorm without decay",
+           {id(m[0].bias), id(m[1].weight), id(m[1].bias), id(m[4].bias)} <= no_decay
+           and id(m[2].weight) not in no_decay, str([g["name"] for g in groups]))
+    before = _full(m[0].weight).clone()
+    opt = ts.optim.AdamW(groups, lr=0.1)
+    step(m, xs, ys)
+    opt.step()
+    _check(checks, "param_groups: lr_scale=0 bitwise unchanged", torch.equal(
+        _full(m[0].weight), before) and not torch.equal(_full(m[2].weight),
+                                                      _fsdp_model(shard=False)[2].weight))
+
+    # state_dict: the trainable sharded parameters; load_state_dict refuses DTensors clearly
+    m = _fsdp_model(freeze="0")
+    state = ts.state_dict(m)
+    ref = _fsdp_model(shard=False)
+    _check(checks, "state_dict: trainable paths", list(state) == [
+        n for n, q in ref.named_parameters() if not n.startswith("0.")], str(list(state)))
+    _check(checks, "state_dict: sharded values", all(
+        type(v).__name__ == "DTensor" and torch.equal(_full(v), dict(ref.named_parameters())[k])
+        for k, v in state.items()))
+    before = [_full(q).clone() for q in m.parameters()]
+    try:
+        ts.load_state_dict(m, {k: torch.zeros(_full(v).shape) for k, v in state.items()})
+        _check(checks, "load_state_dict of plain tensors into DTensors: raises", False)
+    except ValueError as e:
+        _check(checks, "load_state_dict of plain tensors into DTensors: message",
+               "DTensor" in str(e) and "1.weight" in str(e), str(e))
+    _check(checks, "load_state_dict refused: nothing written", all(
+        torch.equal(_full(q), b) for q, b in zip(m.parameters(), before)))
+
+
+def scenario_fsdp(rank, checks):
+    part = []
+    _fsdp_numbers(rank, part)
+    checks.extend(("fsdp: " + n, ok, m) for n, ok, m in part)
+
+
+@needs_gloo
+@pytest.mark.skipif(_fully_shard() is None, reason="FSDP2 (fully_shard) is not available")
+def test_fsdp_norms_optimizers_groups_and_state_are_global():
+    _assert_ok(_part(run(scenario_fsdp), "fsdp: "), 40)
