@@ -73,7 +73,8 @@ def _ddp_problem(path: str, p, flag: bool) -> str | None:
         return (
             f"{path!r} would start training, but DistributedDataParallel synchronizes only the "
             "parameters that required grad when it was built: its gradient would differ between "
-            "ranks. Change what trains before wrapping (wrap the model again after the change)."
+            "ranks. Change what trains before wrapping (or drop this wrapper, make the change "
+            "and wrap the model again)."
         )
     if not flag and hit[1] and getattr(ddp, "static_graph", False):
         return (
