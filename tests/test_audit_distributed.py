@@ -12,6 +12,7 @@ tests read their part by prefix. A test marked ``xfail(strict=True)`` reproduces
 goes wrong today; its reason says what happens and what is expected.
 """
 import asyncio
+import copy
 import gc
 import threading
 
@@ -100,6 +101,28 @@ def _ddp_freezing(rank, checks):
     _check(checks, "training after the refusals equals a fresh wrap of the head-only model",
            all(torch.equal(a, b) for a, b in zip(_train(ddp, m, xs, ys),
                                                   _train(DDP(ref), ref, xs, ys))))
+    # the way out the message gives: drop the wrapper, step, wrap again; trains as one process
+    _refused(checks, "schedule.step message", sched.step, m, ["drop this wrapper"])
+    del ddp
+    sched.step()
+    _check(checks, "schedule.step after dropping the wrapper", (sched.current_step, sched.stage)
+           == (1, 2) and _flags(m) == [False, False, True, True, True, True], repr(sched))
+    ref = copy.deepcopy(m)  # plain PyTorch, the same flags and weights
+    ddp = DDP(m)
+    _check(checks, "wrapped again: trains as one process", all(_close(a, b) for a, b in zip(
+        _train(ddp, m, xs, ys), _train(ref, ref, x, y))))
+    # a context entered before wrapping and left after it: restored, with a RuntimeWarning
+    m = _model()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ts.freeze(m, "0"):
+            ddp = DDP(m)
+    _check(checks, "context left after wrapping: restored, RuntimeWarning names the path",
+           all(_flags(m)) and any(issubclass(w.category, RuntimeWarning)
+                                  and "'0.weight' will start training" in str(w.message)
+                                  for w in caught), str([str(w.message) for w in caught]))
     # a schedule constructed after wrapping would freeze: refused (find_unused_parameters=False)
     m = _model()
     ddp = DDP(m)
@@ -560,3 +583,160 @@ def scenario_fsdp(rank, checks):
 @pytest.mark.skipif(_fully_shard() is None, reason="FSDP2 (fully_shard) is not available")
 def test_fsdp_norms_optimizers_groups_and_state_are_global():
     _assert_ok(_part(run(scenario_fsdp), "fsdp: "), 40)
+
+
+# ----------------------------------------------------------------------------- one process, threads
+def _net():
+    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def _cycle_checks(m, seed, rounds, errors):
+    """Nested contexts on ``m``, each flag checked against what one thread alone gives."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3)
+    for i in range(rounds):
+        pick = str(int(torch.randint(3, (1,), generator=g)))
+        try:
+            with ts.freeze(m, pick):
+                want = [not n.startswith(pick + ".") for n, _ in m.named_parameters()]
+                got = _flags(m)
+                m(x)  # the forward hook applies nothing new
+                with ts.freeze_except(m, "2"), ts.unfreeze(m, "1"):
+                    # freeze_except leaves "2" as it is (frozen when pick is "2")
+                    inner = [n.startswith("1.") or (n.startswith("2.") and pick != "2")
+                             for n, _ in m.named_parameters()]
+                    if _flags(m) != inner:
+                        errors.append(f"round {i}: inner {_flags(m)} != {inner}")
+                if got != want or _flags(m) != want:
+                    errors.append(f"round {i}: {got} / {_flags(m)} != {want}")
+                if i % 10 == 0:
+                    raise KeyError(i)  # restored also when the block raises
+        except KeyError:
+            pass
+        if not all(_flags(m)):
+            errors.append(f"round {i}: not restored {_flags(m)}")
+
+
+def test_threads_with_contexts_on_different_models_see_their_own_flags_only():
+    import sys
+
+    models = [ts.attach(_net()) for _ in range(4)]
+    errors, switch = [], sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # interleave as often as possible
+    try:
+        threads = [threading.Thread(target=_cycle_checks, args=(m, i, 60, errors))
+                   for i, m in enumerate(models)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        sys.setswitchinterval(switch)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[:5]
+    assert all(all(_flags(m)) for m in models)
+    assert all(ts.trainable_parameters(m) and len(list(ts.trainable_parameters(m))) == 6
+               for m in models)
+
+
+def test_one_model_from_two_threads_on_different_parameters_composes():
+    """docs/freezing.md: contexts on the same *parameters* from two threads are not supported;
+    on different parameters of one model they compose (exits in any order)."""
+    m = ts.attach(_net())
+    entered, leave = threading.Event(), threading.Event()
+    seen = {}
+
+    def holder():
+        with ts.freeze(m, "0"):
+            entered.set()
+            leave.wait(10)
+            seen["holder at exit"] = _flags(m)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert entered.wait(10)
+    with ts.freeze(m, "2"):
+        assert _flags(m) == [False, False, True, True, False, False]
+        leave.set()
+        t.join(10)
+        # the first context, entered before this one, was left first: only this one holds
+        assert _flags(m) == [True, True, True, True, False, False]
+    assert all(_flags(m))
+    assert seen["holder at exit"] == [False, False, True, True, False, False]
+
+
+def test_a_with_block_suspended_in_a_generator_holds_until_closed_or_collected():
+    m = ts.attach(_net())
+
+    def gen():
+        with ts.freeze(m, "0"):
+            yield _flags(m)
+            yield _flags(m)
+
+    it = gen()
+    assert next(it)[:2] == [False, False]
+    assert _flags(m)[:2] == [False, False]  # a with block left open: it holds (plain Python)
+    outer = ts.freeze(m, "1")  # entered after it, left after it
+    it.close()  # the inner block is left first
+    assert _flags(m) == [True, True, False, False, True, True]
+    outer.__exit__(None, None, None)
+    assert all(_flags(m))
+
+    it = gen()
+    next(it)
+    with ts.unfreeze(m, "0"):  # the newer context wins while both hold
+        assert _flags(m)[:2] == [True, True]
+        del it
+        gc.collect()  # the suspended generator is finalized: its block exits
+        assert _flags(m)[:2] == [True, True]
+    assert all(_flags(m))
+    assert not [e for e in ts._state.entries if e.scope() is m]
+
+
+def test_a_decorated_generator_holds_only_while_it_runs_also_when_closed_or_collected():
+    m = ts.attach(_net())
+    inside = []
+
+    @ts.freeze_except(m, "2")
+    def gen():
+        try:
+            while True:
+                yield _flags(m)
+        finally:
+            inside.append(_flags(m))  # finalization runs inside the context too
+
+    frozen = [False, False, False, False, True, True]
+    it = gen()
+    assert next(it) == frozen and all(_flags(m))
+    with pytest.raises(ZeroDivisionError):
+        it.throw(ZeroDivisionError)
+    assert inside == [frozen] and all(_flags(m))
+    it = gen()
+    next(it)
+    del it
+    gc.collect()
+    assert inside == [frozen, frozen] and all(_flags(m))
+
+
+def test_contexts_across_asyncio_tasks_compose_in_any_exit_order():
+    a, b = ts.attach(_net()), ts.attach(_net())
+    log = []
+
+    async def task(m, sel, delay, name):
+        with ts.freeze(m, sel):
+            log.append((name, "in", _flags(a), _flags(b)))
+            await asyncio.sleep(delay)
+            log.append((name, "out", _flags(a), _flags(b)))
+
+    async def main():
+        await asyncio.gather(task(a, "0", 0.02, "a0"), task(a, "2", 0.0, "a2"),
+                             task(b, "1", 0.01, "b1"))
+
+    asyncio.run(main())
+    steps = {(n, w): (fa, fb) for n, w, fa, fb in log}
+    both = [False, False, True, True, False, False]
+    assert steps[("a2", "in")][0] == both  # a0 entered first and still holds
+    assert steps[("a2", "out")][0] == both
+    assert steps[("a0", "out")][0] == [False, False, True, True, True, True]  # a2 left first
+    assert steps[("b1", "out")] == (steps[("b1", "out")][0], [True, True, False, False, True, True])
+    assert all(_flags(a)) and all(_flags(b))
