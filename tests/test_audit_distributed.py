@@ -15,6 +15,7 @@ import asyncio
 import copy
 import gc
 import threading
+import warnings
 
 import pytest
 import torch
@@ -113,8 +114,6 @@ def _ddp_freezing(rank, checks):
         _train(ddp, m, xs, ys), _train(ref, ref, x, y))))
     # a context entered before wrapping and left after it: restored, with a RuntimeWarning
     m = _model()
-    import warnings
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with ts.freeze(m, "0"):
@@ -151,7 +150,7 @@ def _ddp_freezing(rank, checks):
     _train(ddp, m, xs, ys)
     _refused(checks, "static_graph freeze", lambda: ts.freeze(m, "0"), m,
              ["find_unused_parameters"])
-    _check(checks, "static_graph: trains on after the refusal",
+    _check(checks, "static_graph: trains on after the refusal (no DDP error)",
            len(_train(ddp, m, xs, ys)) == len(_flags(m)))
 
     # parameters DDP ignores (_ddp_params_and_buffers_to_ignore) are not synchronized: changing
@@ -175,7 +174,7 @@ def _ddp_freezing(rank, checks):
     _train(ddp, m, xs, ys)
     _refused(checks, "static_graph and find_unused_parameters freeze",
              lambda: ts.freeze(m, "2"), m, ["static_graph=True"])
-    _check(checks, "static_graph and find_unused_parameters: trains on",
+    _check(checks, "static_graph and find_unused_parameters: trains on (no DDP error)",
            len(_train(ddp, m, xs, ys)) == len(_flags(m)))
 
     # find_unused_parameters=True: freezing after wrapping trains like one process
@@ -358,8 +357,12 @@ def _ddp_gradients(rank, checks):
            torch.equal(m[2].weight, _model()[2].weight) and m[2].weight not in opt.state)
 
 
-def scenario_ddp(rank, checks):
-    for prefix, part_fn in (("freeze: ", _ddp_freezing), ("grad: ", _ddp_gradients)):
+def scenario_all(rank, checks):
+    """Every spawned check in one pair of processes (starting them dominates the cost)."""
+    parts = [("freeze: ", _ddp_freezing), ("grad: ", _ddp_gradients)]
+    if _fully_shard() is not None:
+        parts.append(("fsdp: ", _fsdp_numbers))
+    for prefix, part_fn in parts:
         part = []
         part_fn(rank, part)
         checks.extend((prefix + n, ok, m) for n, ok, m in part)
@@ -367,7 +370,7 @@ def scenario_ddp(rank, checks):
 
 @pytest.fixture(scope="module")
 def ddp_checks():
-    return run(scenario_ddp)
+    return run(scenario_all)
 
 
 def _part(per_rank, prefix, xfail=False):
@@ -573,16 +576,10 @@ def _fsdp_numbers(rank, checks):
         torch.equal(_full(q), b) for q, b in zip(m.parameters(), before)))
 
 
-def scenario_fsdp(rank, checks):
-    part = []
-    _fsdp_numbers(rank, part)
-    checks.extend(("fsdp: " + n, ok, m) for n, ok, m in part)
-
-
 @needs_gloo
 @pytest.mark.skipif(_fully_shard() is None, reason="FSDP2 (fully_shard) is not available")
-def test_fsdp_norms_optimizers_groups_and_state_are_global():
-    _assert_ok(_part(run(scenario_fsdp), "fsdp: "), 40)
+def test_fsdp_norms_optimizers_groups_and_state_are_global(ddp_checks):
+    _assert_ok(_part(ddp_checks, "fsdp: "), 40)
 
 
 # ----------------------------------------------------------------------------- one process, threads
