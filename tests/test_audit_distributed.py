@@ -192,6 +192,28 @@ def _ddp_freezing(rank, checks):
            all(_close(a, b) for a, b in zip(got, want)),
            str([float((a - b).abs().max()) for a, b in zip(got, want)]))
 
+    # stop_gradient / swap change no flag; a synchronized parameter they keep out of every use
+    # of a forward is an unused parameter to DDP: fine with find_unused_parameters=True
+    for label, block in (("stop_gradient", lambda mm: ts.stop_gradient(mm, "0")),
+                         ("swap", lambda mm: ts.swap(mm, {"0.weight": mm[0].weight.detach() + 1,
+                                                           "0.bias": mm[0].bias.detach()}))):
+        m = _model()
+        ddp = DDP(m, find_unused_parameters=True)
+        with block(m):
+            _mse(ddp(xs), ys).backward()
+        _check(checks, f"{label} with find_unused_parameters: gradients averaged",
+               m[0].weight.grad is None and _same_on_all_ranks(m[2].weight.grad))
+        m.zero_grad()
+        _mse(ddp(xs), ys).backward()  # and the next step is a normal one
+        _check(checks, f"{label} with find_unused_parameters: next step averaged",
+               _same_on_all_ranks(m[0].weight.grad))
+    m = _model()
+    ddp = DDP(m)
+    with ts.stop_gradient(m, "0"):
+        _mse(ddp(xs), ys).backward()
+    _check(checks, "xfail stop_gradient over every use, find_unused_parameters=False: averaged",
+           _same_on_all_ranks(m[2].weight.grad), "layer 2's gradient differs between ranks")
+
     # a parameter frozen on one rank only: never a silent divergence between the ranks
     m = _model()
     ddp = DDP(m, find_unused_parameters=True)
@@ -373,9 +395,11 @@ def ddp_checks():
     return run(scenario_all)
 
 
-def _part(per_rank, prefix, xfail=False):
-    return {r: [c for c in checks if c[0].startswith(prefix)
-                and c[0][len(prefix):].startswith("xfail") == xfail]
+def _part(per_rank, prefix):
+    """The checks named ``prefix...``; those named ``<part>: xfail ...`` (cases that go wrong
+    today) only for a prefix that names them."""
+    marked = "xfail" in prefix
+    return {r: [c for c in checks if c[0].startswith(prefix) and ("xfail" in c[0]) == marked]
             for r, checks in per_rank.items()}
 
 
@@ -403,7 +427,19 @@ def test_ddp_structural_grad_and_norms_are_the_averaged_ones(ddp_checks):
     "the ranks' parameters silently diverge. Expected: an error on every rank (a check that "
     "the ranks agree on what trains, at a point every rank reaches) or equal parameters."))
 def test_ddp_a_parameter_frozen_on_one_rank_only_is_an_error(ddp_checks):
-    _assert_ok(_part(ddp_checks, "freeze: ", xfail=True), 1)
+    _assert_ok(_part(ddp_checks, "freeze: xfail one-rank"), 1)
+
+
+@needs_gloo
+@pytest.mark.xfail(strict=True, reason=(
+    "ts.stop_gradient (or ts.swap) over every use of a parameter in a forward of a DDP model "
+    "built with find_unused_parameters=False: DDP's reducer waits for that parameter's gradient, "
+    "so its bucket is never all-reduced; the other gradients of that step silently stay local "
+    "(they differ between the ranks) and only the next forward fails with DDP's generic "
+    "'Expected to have finished reduction'. Expected: a clear error naming the parameter, or "
+    "the averaged gradients. (Documented limitation: use find_unused_parameters=True.)"))
+def test_ddp_stop_gradient_over_every_use_without_find_unused_parameters(ddp_checks):
+    _assert_ok(_part(ddp_checks, "freeze: xfail stop_gradient"), 1)
 
 
 # ----------------------------------------------------------------------------- FSDP2
