@@ -214,6 +214,23 @@ def _ddp_freezing(rank, checks):
     _check(checks, "xfail stop_gradient over every use, find_unused_parameters=False: averaged",
            _same_on_all_ranks(m[2].weight.grad), "layer 2's gradient differs between ranks")
 
+    # UnfreezeSchedule after wrapping everything with find_unused_parameters=True: every
+    # stage only freezes what DDP synchronizes, and trains as one process
+    ref, m = _model(), _model()
+    ddp = DDP(m, find_unused_parameters=True)
+    scheds = [ts.UnfreezeSchedule(mm, {0: "4", 1: "2", 2: None}) for mm in (ref, m)]
+    opts = [torch.optim.SGD(mm.parameters(), lr=0.1) for mm in (ref, m)]
+    for _ in range(3):
+        for mm, call, a, b, opt, sched in ((ref, ref, x, y, opts[0], scheds[0]),
+                                           (m, ddp, xs, ys, opts[1], scheds[1])):
+            opt.zero_grad(set_to_none=True)
+            _mse(call(a), b).backward()
+            opt.step()
+            sched.step()
+    _check(checks, "schedule after wrapping with find_unused_parameters: as one process",
+           all(_close(p, q) for p, q in zip(m.parameters(), ref.parameters()))
+           and all(_flags(m)))
+
     # a parameter frozen on one rank only: never a silent divergence between the ranks
     m = _model()
     ddp = DDP(m, find_unused_parameters=True)
@@ -648,6 +665,19 @@ def _cycle_checks(m, seed, rounds, errors):
             pass
         if not all(_flags(m)):
             errors.append(f"round {i}: not restored {_flags(m)}")
+        if i % 5 == 0:  # declarations and schedules, which other threads' contexts never see
+            ts.mark_trainable(m, "1", "2")
+            m(x)
+            if _flags(m) != [False, False, True, True, True, True]:
+                errors.append(f"round {i}: declared {_flags(m)}")
+            ts.mark_trainable(m, None)
+            sched = ts.UnfreezeSchedule(m, {0: "2", 1: None})
+            if _flags(m) != [False, False, False, False, True, True]:
+                errors.append(f"round {i}: schedule stage 1 {_flags(m)}")
+            sched.step()
+            if not all(_flags(m)):
+                errors.append(f"round {i}: schedule stage 2 {_flags(m)}")
+            sched.close()
 
 
 def test_threads_with_contexts_on_different_models_see_their_own_flags_only():
