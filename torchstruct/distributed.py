@@ -19,8 +19,9 @@ Declarations and contexts applied *before* wrapping, contexts that leave the syn
 it is, and the block-local ``stop_gradient``/``constant``/``swap`` (they change no flag) are
 fine. A synchronized parameter that ``stop_gradient`` or ``swap`` keeps out of every use in a
 forward is, to DDP, an unused parameter: that needs ``find_unused_parameters=True`` (otherwise
-DDP does not reduce that step's gradients and fails at the next one), as in plain PyTorch. ``global_norm`` and ``clip_by_global_norm`` on a DDP model read the gradients after
-DDP averaged them, so they give the global answer on every rank.
+DDP does not reduce that step's gradients and fails at the next one), as in plain PyTorch.
+``global_norm`` and ``clip_by_global_norm`` on a DDP model read the gradients after DDP
+averaged them, so they give the global answer on every rank.
 
 ``structural_grad`` / ``value_and_grad`` on a DDP model (the wrapper, or its module) give the
 averaged gradient too: the loss callable runs under ``ddp.no_sync()`` (so DDP's reducer expects
