@@ -139,8 +139,8 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
         ValueError: ``tensor_loss`` outside ``ddp.no_sync()`` (the forward already prepared a
             reduction that only ``backward()`` completes), or ``create_graph``.
         RuntimeError: a communication hook or mixed precision is set on ``ddp`` (``backward()``
-            reduces through it; a plain average would differ); another rank failed; the ranks
-            ask for different parameters.
+            reduces through it; a plain average would differ); ``static_graph=True`` before the
+            first training step; another rank failed; the ranks ask for different parameters.
     """
     _check_plain_average(ddp, tensor_loss, create_graph)
     error, grads = None, None
@@ -187,6 +187,14 @@ def _check_plain_average(ddp, tensor_loss: bool, create_graph: bool) -> None:
             "completes. Pass the loss as a callable `lambda m: ...` (the forward then runs "
             "under ddp.no_sync()), or compute the loss and call structural_grad inside the "
             "same `with ddp.no_sync():` block"
+        )
+    if getattr(ddp, "static_graph", False) and not getattr(
+            ddp, "_static_graph_delay_allreduce_enqueued", True):
+        raise RuntimeError(
+            "structural_grad: the DistributedDataParallel model has static_graph=True and has "
+            "not run a training step yet; DDP records its graph at the first backward(), which "
+            "structural_grad would consume (DDP fails inside and trains wrongly afterwards). "
+            "Run one step with loss.backward() first"
         )
     logger = getattr(ddp, "logger", None)
     hook = logger is not None and ddp._get_ddp_logging_data().get("comm_hook")
