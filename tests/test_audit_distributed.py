@@ -299,6 +299,25 @@ def _ddp_gradients(rank, checks):
     _check(checks, "steps afterwards", all(torch.equal(a, b) for a, b in zip(
         _train(ddp, m, xs, ys), _train(ref, ref.module, xs, ys))))
 
+    # static_graph=True: DDP records its graph at the first backward(); before it, refused
+    # clearly and DDP then trains as a fresh wrapper does; after it, the averaged gradient
+    static, ref_static = DDP(_model(), static_graph=True), DDP(_model(), static_graph=True)
+    try:
+        ts.structural_grad(static, fn)
+        _check(checks, "static_graph before a step: raises", False)
+    except RuntimeError as e:
+        _check(checks, "static_graph before a step: message",
+               "static_graph=True" in str(e) and "backward()" in str(e), str(e))
+    _check(checks, "static_graph: trains as a fresh wrapper after the refusal", all(
+        torch.equal(a, b) for a, b in zip(_train(static, static.module, xs, ys),
+                                          _train(ref_static, ref_static.module, xs, ys))))
+    static.zero_grad(set_to_none=True)
+    ref_static.zero_grad(set_to_none=True)
+    g = flat(ts.structural_grad(static, fn))
+    _mse(ref_static(xs), ys).backward()
+    _check(checks, "static_graph after a step: averaged .grad", all(
+        torch.equal(g["module." + n], p.grad) for n, p in ref_static.module.named_parameters()))
+
     # wrt= differing between the ranks: an error on every rank, not a crash or a hang
     other = DDP(_model())
     wrt = "module.2" if rank == 0 else "module.4"
