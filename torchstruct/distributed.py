@@ -144,7 +144,7 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
     """
     _check_plain_average(ddp, tensor_loss, create_graph)
     error, grads = None, None
-    with ddp.no_sync(), _buffers_synced_first(ddp):
+    with ddp.no_sync(), _buffers_synced_first(ddp, not tensor_loss):
         try:
             grads = compute()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it first
@@ -155,12 +155,14 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
 
 
 @contextlib.contextmanager
-def _buffers_synced_first(ddp):
+def _buffers_synced_first(ddp, forward_follows: bool):
     """Broadcast rank 0's buffers now, as ``ddp``'s next forward would, and let that forward
     skip it: the broadcast is a collective, so a loss callable that raises on one rank before
-    the forward would otherwise leave the other ranks waiting in it (a hang)."""
+    the forward would otherwise leave the other ranks waiting in it (a hang). Nothing when no
+    forward follows (a loss already computed: its graph may hold the buffers)."""
     pre_forward = getattr(ddp, "_check_sync_bufs_pre_fwd", None)
-    if pre_forward is None or not pre_forward() or hasattr(ddp, "buffer_hook"):
+    if (not forward_follows or pre_forward is None or not pre_forward()
+            or hasattr(ddp, "buffer_hook")):
         yield
         return
     ddp._sync_buffers()
