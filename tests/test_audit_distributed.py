@@ -775,6 +775,33 @@ def test_a_with_block_suspended_in_a_generator_holds_until_closed_or_collected()
     assert not [e for e in ts._state.entries if e.scope() is m]
 
 
+@pytest.mark.parametrize("same_model", [False, True])
+def test_a_suspended_block_left_from_inside_another_contexts_application(same_model):
+    """Garbage collection may finalize a suspended generator at any allocation, also while
+    another context applies (the lock is re-entrant): a callable selector closing it there
+    stands for that moment."""
+    a = ts.attach(_net())
+    b = a if same_model else ts.attach(_net())
+
+    def gen():
+        with ts.freeze(b, "1"):
+            yield
+            yield
+
+    it = gen()
+    next(it)
+
+    def closing(path, _p):
+        it.close()
+        return path.startswith("2.")
+
+    with ts.freeze_except(a, closing):
+        assert _flags(a) == [False, False, False, False, True, True]
+        assert all(_flags(b)) or same_model
+    assert all(_flags(a)) and all(_flags(b))
+    assert not [e for e in ts._state.entries if e.scope() in (a, b)]
+
+
 def test_a_decorated_generator_holds_only_while_it_runs_also_when_closed_or_collected():
     m = ts.attach(_net())
     inside = []
