@@ -9,15 +9,19 @@ error that says what to do, and changes no flag:
 
 - a parameter that DDP does not synchronize would start training: always refused (re-wrap);
 - a synchronized parameter would stop training: refused unless the wrapper was built with
-  ``find_unused_parameters=True``, which copes with it.
+  ``find_unused_parameters=True`` (and without ``static_graph=True``, which fixes the used
+  set after the first step), which copes with it.
 
 Leaving a context always restores the flags; when that changes what a live wrapper
 synchronizes (the model was wrapped inside the context), a ``RuntimeWarning`` says so.
 
 Declarations and contexts applied *before* wrapping, contexts that leave the synchronized set as
 it is, and the block-local ``stop_gradient``/``constant``/``swap`` (they change no flag) are
-always fine. ``global_norm`` and ``clip_by_global_norm`` on a DDP model read the gradients after
-DDP averaged them, so they give the global answer on every rank.
+fine. A synchronized parameter that ``stop_gradient`` or ``swap`` keeps out of every use in a
+forward is, to DDP, an unused parameter: that needs ``find_unused_parameters=True`` (otherwise
+DDP does not reduce that step's gradients and fails at the next one), as in plain PyTorch.
+``global_norm`` and ``clip_by_global_norm`` on a DDP model read the gradients after DDP
+averaged them, so they give the global answer on every rank.
 
 ``structural_grad`` / ``value_and_grad`` on a DDP model (the wrapper, or its module) give the
 averaged gradient too: the loss callable runs under ``ddp.no_sync()`` (so DDP's reducer expects
@@ -32,6 +36,7 @@ parameters and gradients are handled where the ops meet the kernels (``torchstru
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 
@@ -53,7 +58,10 @@ def _on_module_registered(module: nn.Module, name: str, inner) -> None:
     """Record, as DDP is built, which parameters of its module it will synchronize."""
     if isinstance(module, DistributedDataParallel) and name == "module":
         ref = weakref.ref(module)
-        for p in inner.parameters():
+        ignored = getattr(module, "parameters_to_ignore", ())  # DDP leaves their flags free
+        for path, p in inner.named_parameters():
+            if path in ignored:
+                continue
             _wrapped[id(p)] = (ref, p.requires_grad)
             weakref.finalize(p, _wrapped.pop, id(p), None)
 
@@ -68,7 +76,15 @@ def _ddp_problem(path: str, p, flag: bool) -> str | None:
         return (
             f"{path!r} would start training, but DistributedDataParallel synchronizes only the "
             "parameters that required grad when it was built: its gradient would differ between "
-            "ranks. Change what trains before wrapping (wrap the model again after the change)."
+            "ranks. Change what trains before wrapping (or drop this wrapper, make the change "
+            "and wrap the model again)."
+        )
+    if not flag and hit[1] and getattr(ddp, "static_graph", False):
+        return (
+            f"{path!r} would stop training, but DistributedDataParallel was built with "
+            "static_graph=True, which fixes after the first step which parameters get a "
+            "gradient, and waits for its gradient at every step. Change what trains before "
+            "wrapping, or wrap without static_graph and with find_unused_parameters=True."
         )
     if not flag and hit[1] and not ddp.find_unused_parameters:
         return (
@@ -114,26 +130,47 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
 
     ``compute`` runs under ``ddp.no_sync()``: a forward there prepares no reduction, so
     ``autograd.grad`` leaves DDP's reducer ready for the next training step. Every rank learns
-    whether another one failed before any gradient is exchanged, so an error on one rank is an
-    error on all of them, never a hang. Parameters DDP was told to ignore
-    (``_ddp_params_and_buffers_to_ignore``) keep their local gradient, as with ``backward()``.
+    whether another one failed, or asks for other parameters, before any gradient is
+    exchanged, so an error on one rank is an error on all of them, never a hang. Parameters
+    DDP was told to ignore (``_ddp_params_and_buffers_to_ignore``) keep their local gradient,
+    as with ``backward()``.
 
     Raises:
         ValueError: ``tensor_loss`` outside ``ddp.no_sync()`` (the forward already prepared a
             reduction that only ``backward()`` completes), or ``create_graph``.
         RuntimeError: a communication hook or mixed precision is set on ``ddp`` (``backward()``
-            reduces through it; a plain average would differ); another rank failed.
+            reduces through it; a plain average would differ); ``static_graph=True`` before the
+            first training step; another rank failed; the ranks ask for different parameters.
     """
     _check_plain_average(ddp, tensor_loss, create_graph)
     error, grads = None, None
-    with ddp.no_sync():
+    with ddp.no_sync(), _buffers_synced_first(ddp, not tensor_loss):
         try:
             grads = compute()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it first
             error = e
-    _agree(ddp, error)
+    _agree(ddp, error, params)
     ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
     return _average(ddp, [(p, g) for p, g in zip(params, grads)], ignored)
+
+
+@contextlib.contextmanager
+def _buffers_synced_first(ddp, forward_follows: bool):
+    """Broadcast rank 0's buffers now, as ``ddp``'s next forward would, and let that forward
+    skip it: the broadcast is a collective, so a loss callable that raises on one rank before
+    the forward would otherwise leave the other ranks waiting in it (a hang). Nothing when no
+    forward follows (a loss already computed: its graph may hold the buffers)."""
+    pre_forward = getattr(ddp, "_check_sync_bufs_pre_fwd", None)
+    if (not forward_follows or pre_forward is None or not pre_forward()
+            or hasattr(ddp, "buffer_hook")):
+        yield
+        return
+    ddp._sync_buffers()
+    ddp.broadcast_buffers = False
+    try:
+        yield
+    finally:
+        ddp.broadcast_buffers = True
 
 
 def _check_plain_average(ddp, tensor_loss: bool, create_graph: bool) -> None:
@@ -152,6 +189,14 @@ def _check_plain_average(ddp, tensor_loss: bool, create_graph: bool) -> None:
             "completes. Pass the loss as a callable `lambda m: ...` (the forward then runs "
             "under ddp.no_sync()), or compute the loss and call structural_grad inside the "
             "same `with ddp.no_sync():` block"
+        )
+    if getattr(ddp, "static_graph", False) and not getattr(
+            ddp, "_static_graph_delay_allreduce_enqueued", True):
+        raise RuntimeError(
+            "structural_grad: the DistributedDataParallel model has static_graph=True and has "
+            "not run a training step yet; DDP records its graph at the first backward(), which "
+            "structural_grad would consume (DDP fails inside and trains wrongly afterwards). "
+            "Run one step with loss.backward() first"
         )
     logger = getattr(ddp, "logger", None)
     hook = logger is not None and ddp._get_ddp_logging_data().get("comm_hook")
@@ -174,16 +219,32 @@ def _device(ddp) -> torch.device:
     return torch.device("cpu") if p is None else p.device
 
 
-def _agree(ddp, error: BaseException | None) -> None:
-    """Raise on every rank if any rank failed (this rank's own error where it has one)."""
-    failed = torch.tensor([0.0 if error is None else 1.0], device=_device(ddp))
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=ddp.process_group)
+def _agree(ddp, error: BaseException | None, params: list) -> None:
+    """Raise on every rank if any rank failed (this rank's own error where it has one), or if
+    the ranks ask for different parameters (``wrt=`` or the trainable set differs): their
+    gradients could not be averaged (a collective of mismatched sizes crashes or hangs)."""
+    position = {}
+    for p in ddp.module.parameters():
+        position.setdefault(id(p), len(position) + 1)
+    at = [float(position.get(id(p), 0)) for p in params]
+    mine = [0.0 if error is None else 1.0, float(len(at)), sum(at), sum(a * a for a in at),
+            float(sum(p.numel() for p in params))]
+    both = torch.tensor(mine + [-v for v in mine], dtype=torch.float64, device=_device(ddp))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ddp.process_group)
     if error is not None:
         raise error
-    if failed.item():
+    if both[0].item():
         raise RuntimeError(
             "structural_grad: another rank of the DistributedDataParallel group raised while "
             "computing its gradients (its error names the cause); no gradient was exchanged"
+        )
+    n = len(mine)
+    if not torch.equal(both[1:n], -both[n + 1:]):
+        raise RuntimeError(
+            "structural_grad: the ranks of the DistributedDataParallel group ask for different "
+            f"parameters (this rank: {len(params)}); every rank must ask for the same ones (the "
+            "same wrt=, and the same parameters trainable on every rank). "
+            "No gradient was exchanged"
         )
 
 
