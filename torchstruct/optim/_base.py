@@ -354,19 +354,21 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 continue  # a group scaled to 0 is skipped like a frozen parameter
             params = []
             memory = {}  # data_ptr -> parameter: the kernels step each memory once per call
-            for p in group["params"]:
+            # the memory is a DTensor's local shard (the DTensor itself has none)
+            shards = _dtensor.locals_(group["params"])
+            for p, shard in zip(group["params"], shards):
                 if not p.requires_grad or p.grad is None or id(p) in seen:
                     continue  # frozen, no gradient, or already stepped (tied)
                 seen.add(id(p))
-                other = memory.setdefault(p.data_ptr(), p)
-                if other is not p and p.numel():
-                    if other.numel():
+                other, other_shard = memory.setdefault(shard.data_ptr(), (p, shard))
+                if other is not p and shard.numel():
+                    if other_shard.numel():
                         raise RuntimeError(
                             f"{name}: {self._label(p)} shares its memory with "
                             f"{self._label(other)} in one param group; each tensor may be "
                             f"stepped once per step")
-                    memory[p.data_ptr()] = p
-                if not p.is_contiguous() and not _is_non_overlapping_and_dense(p):
+                    memory[shard.data_ptr()] = (p, shard)
+                if not shard.is_contiguous() and not _is_non_overlapping_and_dense(shard):
                     raise RuntimeError(
                         f"{name}: {self._label(p)} is not dense (it overlaps itself or has "
                         f"gaps, e.g. an expanded tensor); call .contiguous() first")
