@@ -851,12 +851,6 @@ def test_contexts_across_asyncio_tasks_compose_in_any_exit_order():
     assert all(_flags(a)) and all(_flags(b))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "A context used as a decorator on an `async def` function applies only while the call "
-    "creates the coroutine object (contexts.__call__ wraps generator functions only): the body "
-    "then runs with the flags unchanged, silently unfrozen. Expected: the context applies while "
-    "the coroutine runs (around each resumption, as for a generator function), or a TypeError "
-    "at decoration."))
 def test_a_decorated_coroutine_function_runs_inside_the_context():
     m = ts.attach(_net())
 

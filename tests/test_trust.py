@@ -279,6 +279,51 @@ def test_decorated_generator_send_throw_close_and_return_value():
     assert all(flags(m).values())
 
 
+# ----------------------------------------------------------------------------- coroutines
+def test_decorated_coroutine_holds_while_its_body_runs_only():
+    """Two tasks interleave: the decorated one sees its context at each resumption, the
+    other one never does; an exception inside restores the flags and reaches the caller."""
+    import asyncio
+
+    m = mlp()
+    seen = {"decorated": [], "other": []}
+
+    @ts.freeze(m, "0")
+    async def decorated(fail):
+        for _ in range(3):
+            seen["decorated"].append(m[0].weight.requires_grad)
+            await asyncio.sleep(0)
+        if fail:
+            raise KeyError("inside")
+        return "done"
+
+    async def other():
+        for _ in range(3):
+            seen["other"].append(m[0].weight.requires_grad)
+            await asyncio.sleep(0)
+
+    async def main(fail):
+        return await asyncio.gather(decorated(fail), other())
+
+    assert asyncio.run(main(False))[0] == "done"
+    assert seen == {"decorated": [False] * 3, "other": [True] * 3}
+    with pytest.raises(KeyError, match="inside"):
+        asyncio.run(main(True))
+    assert all(flags(m).values())
+
+
+@pytest.mark.parametrize("kind", ["freeze", "stop_gradient"])
+def test_decorating_an_async_generator_function_is_a_clear_error(kind):
+    m = mlp()
+
+    async def agen():
+        yield flags(m)
+
+    with pytest.raises(TypeError, match="async generator function .*agen.*`with`"):
+        getattr(ts, kind)(m, "0")(agen)
+    assert all(flags(m).values())
+
+
 # ----------------------------------------------------------------------------- leaving modules
 def test_module_replaced_inside_a_block_gets_its_flags_back():
     m = mlp()

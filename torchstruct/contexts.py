@@ -334,11 +334,26 @@ class _Context:
         return type(self)(*self._args, **self._kwargs)
 
     def __call__(self, fn: Callable) -> Callable:
-        """Decorate ``fn``: the context applies during each call (for a generator function,
-        while the generator runs: around each resumption, not between them)."""
+        """Decorate ``fn``: the context applies during each call (for a generator function
+        or an ``async def`` function, while its body runs: around each resumption, not
+        between them, so other code running meanwhile does not see it)."""
         self.__exit__(None, None, None)  # decorating applies nothing
+        if inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"{type(self).__name__} cannot decorate the async generator function "
+                f"{fn.__qualname__}: enter it with `with` inside the function's body instead")
         if inspect.isgeneratorfunction(fn):
-            return self._wrap_generator(fn)
+            @functools.wraps(fn)
+            def per_resume(*args, **kwargs):
+                return (yield from self._resumed(fn(*args, **kwargs)))
+
+            return per_resume
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def per_await(*args, **kwargs):
+                return await _Awaiting(self._resumed(fn(*args, **kwargs)))
+
+            return per_await
 
         @functools.wraps(fn)
         def per_call(*args, **kwargs):
@@ -347,30 +362,37 @@ class _Context:
 
         return per_call
 
-    def _wrap_generator(self, fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def per_resume(*args, **kwargs):
-            gen = fn(*args, **kwargs)
-            try:
-                with self._fresh():
-                    response = gen.send(None)
-                while True:
-                    try:
-                        request = yield response
-                    except GeneratorExit:
-                        with self._fresh():
-                            gen.close()
-                        raise
-                    except BaseException:
-                        with self._fresh():
-                            response = gen.throw(*sys.exc_info())
-                    else:
-                        with self._fresh():
-                            response = gen.send(request)
-            except StopIteration as stop:
-                return stop.value
+    def _resumed(self, gen):
+        """Run ``gen`` (a generator or a coroutine) to its end with a fresh context around
+        each of its resumptions; what it yields is yielded, what it returns is returned."""
+        try:
+            with self._fresh():
+                response = gen.send(None)
+            while True:
+                try:
+                    request = yield response
+                except GeneratorExit:
+                    with self._fresh():
+                        gen.close()
+                    raise
+                except BaseException as err:  # noqa: BLE001 - thrown in: passed on
+                    with self._fresh():
+                        response = gen.throw(err)
+                else:
+                    with self._fresh():
+                        response = gen.send(request)
+        except StopIteration as stop:
+            return stop.value
 
-        return per_resume
+
+class _Awaiting:
+    """An awaitable driven by a generator (what :meth:`_Context._resumed` makes)."""
+
+    def __init__(self, gen) -> None:
+        self._gen = gen
+
+    def __await__(self):
+        return self._gen
 
 
 class _FlagContext(_Context):
