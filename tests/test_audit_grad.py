@@ -588,12 +588,6 @@ def test_map_trainable_several_trees_frozen_leaves_ignored():
             ts.map_trainable(lambda p, g: 1, m, grads)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a state_dict of a tied model holds two distinct tensor objects (one .detach() each) at "
-    "the two paths of the tied weight, so map_trainable and polyak_update refuse it with "
-    "'different leaves at a.weight and b.weight'; the contract accepts a flat path-keyed dict "
-    "(what state_dict gives) wherever a tree is, and these two leaves are views of one "
-    "parameter: expected accepted"))
 def test_state_dict_of_a_tied_model_is_accepted_as_a_tree():
     target, source = Tied(), Tied()
     ts.map_trainable(lambda p, q: q, target, source.state_dict())
@@ -646,11 +640,6 @@ class Untied(nn.Module):
         self.a, self.b, self.head = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 1)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a source module whose weights at the two paths of the target's tied parameter differ "
-    "('b.weight' is its own parameter there) is used silently at the first path only, and "
-    "its 'b.weight' is ignored; the same values given as a tree raise ValueError ('the tie "
-    "would silently lose it'): expected the same ValueError naming 'b.weight'"))
 def test_polyak_module_source_untied_where_the_target_is_tied_is_an_error():
     target = Tied()
     before = snapshot(target)

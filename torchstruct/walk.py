@@ -14,8 +14,9 @@ a ``state_dict``, see :mod:`torchstruct.tree`):
 - Leaves at other parameter paths of the model (frozen parameters, the later paths of a tied
   parameter) are ignored: a tree covering the whole model is fine. A leaf at a path that names
   no parameter of the model raises ``ValueError`` naming it (the tree does not match the model),
-  and so does a leaf at a later path of a tied parameter that is not the very tensor found at
-  its first path (the tie would silently lose it).
+  and so do two different tensors at two paths of a tied parameter (the tie would silently lose
+  one): the same tensor, or views of the same memory (what ``state_dict`` holds for a tied
+  parameter), are one. A source *module* for :func:`polyak_update` follows the same tie rule.
 """
 from __future__ import annotations
 
@@ -41,6 +42,27 @@ def _trainable(model: nn.Module, who: str) -> Pairs:
     return list(trainable_parameters(model))
 
 
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` is ``b``, or a view of the very same memory (``state_dict`` detaches each path)."""
+    return a is b or (
+        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
+        and a.stride() == b.stride() and a.data_ptr() == b.data_ptr() and a.data_ptr() != 0
+    )
+
+
+def _check_ties(idx, flat: dict, what: str) -> None:
+    """Leaves at two paths of one tied parameter must be one tensor: else one would be lost."""
+    for ps in idx.paths:
+        held = [path for path in ps if path in flat]
+        for path in held[1:]:
+            if not _same_tensor(flat[held[0]], flat[path]):
+                raise ValueError(
+                    f"{what} has different tensors at {held[0]!r} and {path!r}, two paths of "
+                    f"one tied parameter of the model; a tied parameter lives once, at its "
+                    f"first path {ps[0]!r}"
+                )
+
+
 def _leaves_for(model: nn.Module, pairs: Pairs, tree: dict, what: str) -> list[torch.Tensor]:
     """The leaf of ``tree`` at each path of ``pairs``; checks the tree against the model."""
     flat = _tree.to_flat_dict(tree)
@@ -59,12 +81,7 @@ def _leaves_for(model: nn.Module, pairs: Pairs, tree: dict, what: str) -> list[t
                 f"{what} has a leaf at {path!r}, which is not a parameter path of the model; "
                 f"closest: {_closest(path, idx.all_paths())}"
             )
-        canon = first[path]
-        if canon != path and canon in flat and flat[canon] is not leaf:
-            raise ValueError(
-                f"{what} has different leaves at {canon!r} and {path!r}, two paths of one tied "
-                f"parameter; a tied parameter lives once, at its first path {canon!r}"
-            )
+    _check_ties(idx, flat, what)
     missing = [path for path, _ in pairs if path not in flat]
     if missing:
         raise ValueError(
@@ -131,6 +148,7 @@ def _source_tree(target: nn.Module, pairs: Pairs, source) -> list[torch.Tensor]:
                 f"polyak_update: source module has no parameter at {missing[0]!r}, a trainable "
                 f"parameter of the target; closest: {_closest(missing[0], list(flat))}"
             )
+        _check_ties(index(target), flat, "polyak_update: source module")
         return [flat[path] for path, _ in pairs]
     if isinstance(source, dict):
         return _leaves_for(target, pairs, source, "polyak_update: source tree")
