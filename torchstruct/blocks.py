@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from ._ops import run_eagerly
 from .contexts import _Context
@@ -102,7 +102,20 @@ class _SubstituteBlock(_Context):
 
     @run_eagerly
     def _undo(self) -> None:
-        self._mode.__exit__(None, None, None)
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not any(m is self._mode for m in stack):
+            self._active = True  # still active where it was entered
+            raise RuntimeError(_not_here(self))
+        above = []  # blocks entered after this one and still open: they stay, in order
+        while (top := torch._C._pop_torch_function_stack()) is not self._mode:
+            above.append(top)
+        for m in reversed(above):
+            torch._C._push_on_torch_function_stack(m)
+
+
+def _not_here(ctx) -> str:
+    return (f"{type(ctx).__name__}: this block is not active in this thread (blocks are "
+            "thread-local: exit it in the thread that entered it)")
 
 
 def _detach(p: Tensor) -> Tensor:
@@ -355,4 +368,13 @@ class constant(_Context):
 
     @run_eagerly
     def _undo(self) -> None:
+        stack = _get_current_dispatch_mode_stack()
+        if not stack or stack[-1] is not self._mode:
+            self._active = True  # nothing changed: still active
+            if not any(m is self._mode for m in stack):
+                raise RuntimeError(_not_here(self))
+            raise RuntimeError(
+                "constant: a dispatch mode entered after this block is still active; exit "
+                "blocks in reverse order of entry (as `with` does)"
+            )
         self._mode.__exit__(None, None, None)
