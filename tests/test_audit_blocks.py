@@ -545,6 +545,28 @@ def test_constant_vector_to_parameters():
     assert torch.equal(m[0].weight, before)
 
 
+def test_constant_parameter_inside_a_larger_buffer_written_through_an_alias():
+    """Protection is by memory: a parameter that is a view into a flat buffer is protected
+    also against a write through another storage object on the same bytes."""
+    flat = torch.zeros(20)
+    m = nn.Module()
+    m.a = nn.Parameter(flat[:10].view(2, 5))
+    m.b = nn.Parameter(flat[10:].view(2, 5))
+    alias = torch.from_numpy(m.b.detach().numpy())  # a new storage starting at b's bytes
+    with ts.constant(m, "b"), pytest.raises(RuntimeError, match="'b'"):
+        alias.fill_(1.0)
+    assert torch.equal(m.b, torch.zeros(2, 5))
+
+
+def test_constant_on_meta_parameters_refuses_only_the_selected():
+    """Meta tensors have no bytes (every data_ptr is 0): told apart by storage."""
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).to("meta")
+    with ts.constant(m, "0"), torch.no_grad():
+        m[1].weight.add_(1)
+        with pytest.raises(RuntimeError, match="'0.weight'"):
+            m[0].weight.add_(1)
+
+
 # --------------------------------------------------------------------------- bad inputs
 @pytest.mark.parametrize("make, error", [
     (lambda m: ts.stop_gradient(m, "0.wieght"), ValueError),

@@ -28,6 +28,7 @@ through its dispatch mode as well.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import torch
@@ -267,13 +268,19 @@ def _written_args(func) -> tuple[tuple[int, str], ...]:
     return hit
 
 
-def _extent(t: Tensor) -> tuple[int, int]:
-    """The byte range ``[start, end)`` that ``t`` may touch."""
+def _place(t: Tensor) -> tuple[object, int, int]:
+    """Where ``t``'s bytes are: ``(memory, start, end)``, the byte range ``[start, end)`` it may
+    touch in that memory. Memory is a device's address space (tensors on different storages
+    may share bytes: ``from_numpy``, dlpack), or, for ``meta`` tensors, which have no bytes,
+    their storage."""
+    if t.device.type == "meta":
+        memory, start = ("meta", t.untyped_storage()._cdata), t.storage_offset() * t.element_size()
+    else:
+        memory, start = t.device, t.data_ptr()
     if t.numel() == 0:
-        return (0, 0)
-    start = t.data_ptr()
+        return memory, 0, 0
     span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    return (start, start + span * t.element_size())
+    return memory, start, start + span * t.element_size()
 
 
 class _Guard(TorchDispatchMode):
@@ -281,24 +288,36 @@ class _Guard(TorchDispatchMode):
 
     def __init__(self, protected: list[tuple[str, Tensor]]) -> None:
         super().__init__()
-        self.by_storage: dict[int, list[tuple[str, int, int]]] = {}
+        spans: dict[object, list[tuple[int, int, str]]] = {}
         for path, p in protected:
-            lo, hi = _extent(p)
-            key = p.untyped_storage().data_ptr()
-            self.by_storage.setdefault(key, []).append((path, lo, hi))
+            memory, lo, hi = _place(p)
+            spans.setdefault(memory, []).append((lo, hi, path))
+        # per memory: spans sorted by start, their starts, and the running maximum of their ends
+        self.spans = {}
+        for memory, rows in spans.items():
+            rows.sort()
+            ends, top = [], 0
+            for _, hi, _ in rows:
+                top = max(top, hi)
+                ends.append(top)
+            self.spans[memory] = (rows, [lo for lo, _, _ in rows], ends)
 
     def _hit(self, t) -> str | None:
         if not isinstance(t, Tensor):
             return None
         try:
-            spans = self.by_storage.get(t.untyped_storage().data_ptr())
+            memory, lo, hi = _place(t)
         except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
             return None
-        if spans:
-            lo, hi = _extent(t)
-            for path, plo, phi in spans:
-                if lo < phi and plo < hi:
-                    return path
+        found = self.spans.get(memory)
+        if found is None or lo == hi:
+            return None
+        rows, starts, ends = found
+        j = bisect.bisect_left(starts, hi) - 1  # spans starting before the write ends
+        while j >= 0 and ends[j] > lo:  # some span up to j ends after the write starts
+            if rows[j][1] > lo:
+                return rows[j][2]
+            j -= 1
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
