@@ -533,16 +533,30 @@ def test_constant_allows_grad_writes_reads_and_the_unselected():
     assert torch.equal(m[0].weight, before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rebinding p.data = other (what torch.nn.utils.vector_to_parameters does) is not an aten "
-    "write: inside ts.constant the selected parameter silently takes new values; expected "
-    "RuntimeError naming the path, the parameter unchanged"))
-def test_constant_vector_to_parameters():
+@pytest.mark.parametrize("rebind", [
+    lambda m: nn.utils.vector_to_parameters(torch.zeros(16), m.parameters()),
+    lambda m: setattr(m[0].bias, "data", torch.zeros(3)),
+    lambda m: m.double(),
+])
+def test_constant_refuses_rebinding_data(rebind):
+    """``p.data = other`` is not an aten write: the block refuses it at the attribute."""
     m = _trained()
-    before = m[0].weight.detach().clone()
-    with ts.constant(m, "0"), pytest.raises(RuntimeError, match="'0.weight'"):
-        nn.utils.vector_to_parameters(torch.zeros(16), m.parameters())
-    assert torch.equal(m[0].weight, before)
+    before = [p.detach().clone() for p in m[0].parameters()]
+    with ts.constant(m, "0"), pytest.raises(RuntimeError, match=r"\.data .*'0\.(weight|bias)'"):
+        rebind(m)
+    assert all(torch.equal(p, b) for p, b in zip(m[0].parameters(), before))
+    assert modes() == (0, 0)
+
+
+def test_constant_allows_rebinding_to_the_same_memory_and_the_unselected():
+    m = _trained()
+    with ts.constant(m, "0"):
+        m.float()  # each parameter's .data set to itself
+        m.to("cpu")
+        m[0].weight.data = m[0].weight.data
+        m[1].weight.data = torch.zeros(1, 3)
+        m[0].weight.detach().data = torch.zeros(3, 3)  # rebinds an alias only
+    assert torch.equal(m[1].weight, torch.zeros(1, 3))
 
 
 def test_constant_parameter_inside_a_larger_buffer_written_through_an_alias():

@@ -12,11 +12,16 @@ attribute: they act on the *operations executed inside the block*.
   ``p.grad`` inside ``stop_gradient``, which stays the parameter's own; property writes
   (``p.requires_grad = ...``, ``p.grad = ...``) act on the parameter itself.
 - :class:`constant` installs a ``torch.utils._python_dispatch.TorchDispatchMode`` that reads
-  each aten op's schema and raises before an op writes into the memory of a selected parameter.
+  each aten op's schema and raises before an op writes into the memory of a selected parameter
+  (byte ranges in the device's memory, whatever storage the write goes through), and a
+  ``TorchFunctionMode`` that refuses ``p.data = other`` on a selected parameter.
 
 All three are :class:`~torchstruct.contexts._Context` classes: ``with`` for a block, a bare
 call for "from now on", ``@`` on a function for every call of it. They validate their input
-before changing anything. Blocks exit in reverse order of entry (they are mode stacks).
+before changing anything. Their modes are thread-local. A ``stop_gradient`` or ``swap`` block
+leaves the mode stack wherever it is in it (a bare block may be exited under a later one); a
+``constant`` block exits in reverse order of entry (an out-of-order exit raises, nothing
+changed).
 
 Limits: a ``torch.autograd.Function.apply`` call does not pass through torch function modes,
 so a parameter handed *directly* to a custom autograd function is not replaced (operations on it
@@ -103,15 +108,20 @@ class _SubstituteBlock(_Context):
 
     @run_eagerly
     def _undo(self) -> None:
-        stack = torch.overrides._get_current_function_mode_stack()
-        if not any(m is self._mode for m in stack):
-            self._active = True  # still active where it was entered
-            raise RuntimeError(_not_here(self))
-        above = []  # blocks entered after this one and still open: they stay, in order
-        while (top := torch._C._pop_torch_function_stack()) is not self._mode:
-            above.append(top)
-        for m in reversed(above):
-            torch._C._push_on_torch_function_stack(m)
+        _leave(self, self._mode)
+
+
+def _leave(ctx, mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's torch function mode stack, wherever it is: modes
+    entered after it stay, in order. Raises (``ctx`` still active) when it is not there."""
+    if not any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
+        ctx._active = True  # still active where it was entered
+        raise RuntimeError(_not_here(ctx))
+    above = []
+    while (top := torch._C._pop_torch_function_stack()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
 
 
 def _not_here(ctx) -> str:
@@ -334,6 +344,35 @@ class _Guard(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _RefuseRebind(TorchFunctionMode):
+    """Raise before ``p.data = other`` gives a selected parameter other values (a rebinding,
+    not an aten write: ``torch.nn.utils.vector_to_parameters``, ``module.double()``)."""
+
+    def __init__(self, chosen: list[tuple[str, Tensor]]) -> None:
+        super().__init__()
+        self.params = {id(p): (p, path) for path, p in chosen}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (getattr(func, "__name__", None) == "__set__" and len(args) == 2
+                and getattr(getattr(func, "__self__", None), "__name__", None) == "data"):
+            hit = self.params.get(id(args[0]))
+            if hit is not None and hit[0] is args[0] and not _same_data(args[0], args[1]):
+                raise RuntimeError(
+                    f"constant: setting .data would replace the values of parameter {hit[1]!r} "
+                    "inside a ts.constant block"
+                )
+        return func(*args, **(kwargs or {}))
+
+
+def _same_data(p: Tensor, new) -> bool:
+    """``p.data = new`` changes nothing: ``new`` is ``p``'s own memory, seen the same way."""
+    return (isinstance(new, Tensor) and new.device == p.device and new.dtype == p.dtype
+            and new.layout == p.layout and new.shape == p.shape
+            and (new.numel() == 0 or (new.layout == torch.strided
+                                      and new.data_ptr() == p.data_ptr()
+                                      and new.stride() == p.stride())))
+
+
 class constant(_Context):
     """Inside the block, the selected parameters are read-only.
 
@@ -343,7 +382,9 @@ class constant(_Context):
     ``out=`` arguments, ``torch._foreach_*_`` and therefore optimizer steps. Reads and
     out-of-place operations pass. Protection is by memory: any tensor sharing the
     parameter's memory is protected too. The parameter's memory is taken when the block is
-    entered (``p.data = other`` inside the block is not seen).
+    entered; ``p.data = other`` (``vector_to_parameters``) raises too, unless ``other`` is
+    that memory. Writes that bypass PyTorch's operators (a NumPy array on the memory) and
+    replacing the module's parameter object (``load_state_dict(assign=True)``) are not seen.
 
     Arguments:
         model: the module whose parameters are selected.
@@ -381,9 +422,10 @@ class constant(_Context):
         _check_model("constant", model)
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
         protected = [(path, p) for path, p in chosen if p.numel() and p.layout == torch.strided]
-        mode = _Guard(protected)
+        mode, rebind = _Guard(protected), _RefuseRebind(chosen)
+        rebind.__enter__()
         mode.__enter__()
-        self._mode = mode
+        self._mode, self._rebind = mode, rebind
 
     @run_eagerly
     def _undo(self) -> None:
@@ -397,3 +439,4 @@ class constant(_Context):
                 "blocks in reverse order of entry (as `with` does)"
             )
         self._mode.__exit__(None, None, None)
+        _leave(self, self._rebind)
