@@ -178,6 +178,16 @@ def test_swap_equals_functional_call(case):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def test_swap_state_dict_holds_the_stand_ins_named_parameters_the_originals():
+    m, t = nn.Linear(2, 2), torch.zeros(2)
+    with ts.swap(m, {"bias": t}):
+        state = m.state_dict()
+        assert torch.equal(state["bias"], t) and state["bias"].data_ptr() == t.data_ptr()
+        assert m.state_dict(keep_vars=True)["bias"] is m._parameters["bias"]
+        assert dict(m.named_parameters())["bias"] is m._parameters["bias"]
+    assert not torch.equal(m.state_dict()["bias"], t) or bool((m.bias == 0).all())
+
+
 def test_multihead_attention_fast_path_under_swap():
     """eval + no_grad takes MHA's native fast path outside a block; inside one the swapped
     weights are used."""
