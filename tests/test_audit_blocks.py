@@ -500,6 +500,23 @@ def test_exiting_a_bare_block_in_another_thread_is_an_error():
     assert modes() == (0, 0)
 
 
+@pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
+def test_flag_and_hook_methods_act_on_the_parameter(kind):
+    m, t = nn.Linear(2, 2), torch.zeros(2, requires_grad=True)
+    block = (lambda: ts.stop_gradient(m)) if kind == "stop_gradient" else (
+        lambda: ts.swap(m, {"bias": t}))
+    with block():
+        m.requires_grad_(False)
+    assert [p.requires_grad for p in m.parameters()] == [False, False] and t.requires_grad
+    seen = []
+    with block():
+        m.bias.requires_grad_(True)
+        m.bias.register_hook(lambda g: seen.append(g.clone()))
+    assert m.bias.requires_grad and not m.weight.requires_grad
+    m(torch.ones(1, 2)).sum().backward()
+    assert len(seen) == 1 and torch.equal(seen[0], m.bias.grad)
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "inside stop_gradient, p.requires_grad reads the detached alias's flag (False), and "
     "Parameter.__deepcopy__ / __reduce_ex__ copy that flag: a deepcopy or torch.save of the model "

@@ -10,7 +10,8 @@ attribute: they act on the *operations executed inside the block*.
   ``_flat_weights``) and tied parameters are covered. Property reads see the stand-in
   (``p.T``, ``p.shape``; ``p.requires_grad`` is False inside ``stop_gradient``), except
   ``p.grad`` inside ``stop_gradient``, which stays the parameter's own; property writes
-  (``p.requires_grad = ...``, ``p.grad = ...``) act on the parameter itself.
+  (``p.requires_grad = ...``, ``p.grad = ...``) and the methods that write a flag or a hook
+  (``requires_grad_``, ``register_hook``) act on the parameter itself.
 - :class:`constant` installs a ``torch.utils._python_dispatch.TorchDispatchMode`` that reads
   each aten op's schema and raises before an op writes into the memory of a selected parameter
   (byte ranges in the device's memory, whatever storage the write goes through), and a
@@ -58,11 +59,18 @@ def _check_model(ctx: str, model) -> None:
 # Substitution of parameters in the arguments of torch functions.
 
 
+# methods that write a parameter's flag or hooks: like attribute writes, they act on the
+# parameter itself (``model.requires_grad_(False)`` inside a block freezes the model)
+_ON_PARAMETER = frozenset({"requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+                           "retain_grad"})
+
+
 class _Substitute(TorchFunctionMode):
     """Replace ``table[id(p)] = (p, make)`` parameters by ``make(p)`` in every torch call.
 
-    Attribute writes (``p.requires_grad = ...``, ``p.grad = ...``) and reads of the attributes
-    named in ``own`` keep acting on the parameter itself.
+    Attribute writes (``p.requires_grad = ...``, ``p.grad = ...``), the methods in
+    ``_ON_PARAMETER`` (``requires_grad_``, ``register_hook``) and reads of the attributes named
+    in ``own`` keep acting on the parameter itself.
     """
 
     def __init__(self, table: dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]],
@@ -89,7 +97,7 @@ class _Substitute(TorchFunctionMode):
         name = getattr(func, "__name__", None)
         if name == "__get__":  # a property read: which property?
             name = getattr(getattr(func, "__self__", None), "__name__", None)
-        if name in ("__set__", "__delete__") or name in self.own:
+        if name in ("__set__", "__delete__") or name in _ON_PARAMETER or name in self.own:
             return func(*args, **kwargs)
         return func(*self._sub(args), **self._sub(kwargs))
 
