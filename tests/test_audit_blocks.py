@@ -583,6 +583,17 @@ def test_constant_refuses_every_write_path(write):
     assert modes() == (0, 0)
 
 
+def test_constant_with_a_compiled_forward():
+    """Frames run eagerly under the dispatch mode (results as eager); fullgraph=True raises."""
+    torch._dynamo.reset()
+    m, x = _trained(), torch.randn(2, 3)
+    with ts.constant(m):
+        assert torch.equal(torch.compile(m, backend="eager")(x), m(x))
+        with pytest.raises(RuntimeError, match="fullgraph"):
+            torch.compile(m, backend="eager", fullgraph=True)(x)
+    assert modes() == (0, 0)
+
+
 def test_constant_load_state_dict_refused_for_the_selected():
     m = _trained()
     before = {n: p.detach().clone() for n, p in m.named_parameters()}
