@@ -223,6 +223,77 @@ def test_tied_gpt2_from_config():
     same_grads(got, grads(model))
 
 
+def test_bert_from_config_swap_and_stop_gradient():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=16,
+                                     max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).eval()
+    ids = torch.randint(0, 30, (2, 5))
+    layer0 = {n: p.detach() + 0.5 for n, p in model.named_parameters() if ".layer.0." in n}
+    with ts.swap(model, layer0):
+        got = model(ids).last_hidden_state
+    assert torch.equal(got, functional_call(model, layer0, (ids,), strict=False).last_hidden_state)
+    with ts.stop_gradient(model, "encoder.layer.1", "embeddings"):
+        model(ids).last_hidden_state.pow(2).sum().backward()
+    got = grads(model)
+    blocked = {n for n, _ in ts.select(model, "encoder.layer.1", "embeddings")}
+    model.zero_grad(set_to_none=True)
+    params = {n: (p.detach() if n in blocked else p) for n, p in model.named_parameters()}
+    functional_call(model, params, (ids,)).last_hidden_state.pow(2).sum().backward()
+    same_grads(got, grads(model))
+
+
+def test_swap_with_differentiable_stand_ins_maml():
+    """Stand-ins computed from the parameters (one inner SGD step, create_graph=True):
+    the outer gradient reaches the parameters through them, as with functional_call."""
+    torch.manual_seed(0)
+    m, x, y = nn.Linear(3, 1), torch.randn(4, 3), torch.randn(4, 1)
+    params = dict(m.named_parameters())
+    inner = torch.autograd.grad(F.mse_loss(m(x), y), list(params.values()), create_graph=True)
+    fast = {n: p - 0.1 * g for (n, p), g in zip(params.items(), inner)}
+    with ts.swap(m, fast):
+        outer = F.mse_loss(m(x), y)
+    got = torch.autograd.grad(outer, list(params.values()), retain_graph=True)
+    want = torch.autograd.grad(F.mse_loss(functional_call(m, fast, (x,)), y), list(params.values()))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_swap_two_parameters_for_each_other():
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3)), torch.randn(2, 3)
+    tree = {"0.weight": m[2].weight, "2.weight": m[0].weight}
+    with ts.swap(m, tree):
+        out = m(x)
+    out.pow(2).sum().backward()
+    got = grads(m)
+    m.zero_grad(set_to_none=True)
+    want = functional_call(m, tree, (x,), strict=False)
+    want.pow(2).sum().backward()
+    assert torch.equal(out, want)
+    same_grads(got, grads(m))
+
+
+def test_optimizer_step_inside_swap_moves_the_stand_ins_only():
+    """Lookahead: an optimizer over the model's parameters, stepped inside the block, reads the
+    stand-ins' gradients and updates the stand-ins; the parameters stay bitwise unchanged."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    before = [p.detach().clone() for p in m.parameters()]
+    slow = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
+    start = {n: t.detach().clone() for n, t in slow.items()}
+    opt = torch.optim.SGD(m.parameters(), lr=0.5, foreach=True)
+    with ts.swap(m, slow):
+        m(torch.ones(1, 3)).sum().backward()
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    assert all(p.grad is None for p in m.parameters())
+    for n, t in slow.items():
+        assert torch.equal(t.detach(), start[n] - 0.5 * t.grad)
+
+
 def test_peft_lora_swap_zero_b_equals_disabled_adapter():
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -480,9 +551,11 @@ def test_blocks_are_thread_local(kind):
     assert not errors and seen == {"grad": True, "modes": (0, 0)}
 
 
-def test_exiting_a_bare_block_in_another_thread_is_an_error():
+@pytest.mark.parametrize("kind", ["stop_gradient", "constant"])
+def test_exiting_a_bare_block_in_another_thread_is_an_error(kind):
     m = nn.Linear(2, 2)
-    block = ts.stop_gradient(m)
+    block = ts.stop_gradient(m) if kind == "stop_gradient" else ts.constant(m)
+    active = modes()
     errors = []
 
     def other():
@@ -495,7 +568,7 @@ def test_exiting_a_bare_block_in_another_thread_is_an_error():
     t.start()
     t.join()
     assert errors and "thread" in errors[0]
-    assert modes() == (1, 0)
+    assert modes() == active != (0, 0)
     block.__exit__(None, None, None)
     assert modes() == (0, 0)
 
@@ -763,6 +836,7 @@ def test_regex_callables_objects_and_lists():
         "encoder.0.weight", "encoder.0.bias", "encoder.1.weight", "encoder.1.bias",
         "norm.weight", "norm.bias", "pd.alpha", "pl.2"]
     assert pick(m["tied"].weight) == ["layer.10.weight"]
+    assert pick(m["pl"]) == ["pl.0", "pl.1", "pl.2"] and pick(m["pd"]) == ["pd.alpha", "pd.beta1"]
 
 
 @pytest.mark.parametrize("bad, error, match", [
