@@ -307,7 +307,11 @@ class _Guard(TorchDispatchMode):
     def __init__(self, protected: list[tuple[str, Tensor]]) -> None:
         super().__init__()
         spans: dict[object, list[tuple[int, int, str]]] = {}
+        self.others: dict[int, tuple[Tensor, str]] = {}  # sparse, ...: by identity
         for path, p in protected:
+            if p.layout != torch.strided:
+                self.others[id(p)] = (p, path)
+                continue
             memory, lo, hi = _place(p)
             spans.setdefault(memory, []).append((lo, hi, path))
         # per memory: spans sorted by start, their starts, and the running maximum of their ends
@@ -323,6 +327,9 @@ class _Guard(TorchDispatchMode):
     def _hit(self, t) -> str | None:
         if not isinstance(t, Tensor):
             return None
+        if t.layout != torch.strided:
+            other = self.others.get(id(t))
+            return other[1] if other is not None and other[0] is t else None
         try:
             memory, lo, hi = _place(t)
         except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
@@ -429,7 +436,7 @@ class constant(_Context):
         model, *selectors = self._args
         _check_model("constant", model)
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
-        protected = [(path, p) for path, p in chosen if p.numel() and p.layout == torch.strided]
+        protected = [(path, p) for path, p in chosen if p.numel() or p.layout != torch.strided]
         mode, rebind = _Guard(protected), _RefuseRebind(chosen)
         rebind.__enter__()
         mode.__enter__()
