@@ -118,7 +118,8 @@ CASES = {
     # name: (model factory, input factory, selectors naming the blocked parameters)
     "tied_by_alias": (TiedLM, lambda: torch.tensor([[1, 2, 3], [4, 5, 6]]), ["out.weight"]),
     "tied_body": (TiedLM, lambda: torch.tensor([[1, 2, 3]]), ["body.bias"]),
-    "lstm": (lambda: RNN(nn.LSTM), lambda: torch.randn(5, 2, 3), ["rnn.weight_hh_l1", "rnn.bias_ih_l0"]),
+    "lstm": (lambda: RNN(nn.LSTM), lambda: torch.randn(5, 2, 3),
+             ["rnn.weight_hh_l1", "rnn.bias_ih_l0"]),
     "gru": (lambda: RNN(nn.GRU), lambda: torch.randn(5, 2, 3), ["rnn.weight_ih_l0"]),
     "mha": (MHA, lambda: torch.randn(2, 3, 4), ["mha.in_proj_weight"]),
     "mha_out": (MHA, lambda: torch.randn(2, 3, 4), ["mha.out_proj.weight"]),
@@ -768,6 +769,7 @@ def test_constant_sparse_parameter_written_through_data():
     (lambda m: ts.swap(m, {"0.weight": torch.zeros(3, 2, dtype=torch.float64)}), ValueError),
     (lambda m: ts.swap(m, {"0.weight": torch.zeros(3, 2), "1.bias": torch.zeros(5)}), ValueError),
     (lambda m: ts.swap(m, {"0.weight": 1.0}), TypeError),
+    (lambda m: ts.swap(m, {"0.weight": torch.zeros(3, 2).to_sparse()}), ValueError),
     (lambda m: ts.swap(m, {"2.weight": torch.zeros(1, 3)}), ValueError),
     (lambda m: ts.swap(m, [torch.zeros(3, 2)]), TypeError),
     (lambda m: ts.swap(nn.Linear(2, 2).weight, {}), TypeError),

@@ -202,8 +202,8 @@ class swap(_SubstituteBlock):
         model: the module whose parameters are replaced.
         tree: a nested dict of tensors following the module tree, or a flat dict keyed by
             dotted paths (``{"0.weight": t}``, as a ``state_dict``); ``None`` leaves are
-            skipped. Each tensor must have the shape, dtype and device of the parameter it
-            replaces.
+            skipped. Each tensor must have the shape, dtype, layout and device of the
+            parameter it replaces.
 
     Returns:
         The context (use with ``with``, as a decorator, or call it bare to apply from now on).
@@ -211,7 +211,7 @@ class swap(_SubstituteBlock):
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or a leaf is not a tensor.
         ValueError: a path that is not a parameter of ``model`` (naming the closest paths), a
-            non-canonical path of a tied parameter, or a shape/dtype/device mismatch, naming
+            non-canonical path of a tied parameter, or a shape/dtype/layout/device mismatch, naming
             the path. Nothing is changed.
 
     Example:
@@ -252,7 +252,7 @@ class swap(_SubstituteBlock):
                     f"swap: {path!r} is not a parameter of the model; closest paths: "
                     f"{_closest(path, list(canonical))}"
                 )
-            for what in ("shape", "dtype", "device"):
+            for what in ("shape", "dtype", "layout", "device"):
                 want, got = getattr(p, what), getattr(t, what)
                 if want != got:
                     raise ValueError(
