@@ -10,13 +10,19 @@ attribute: they act on the *operations executed inside the block*.
   ``_flat_weights``) and tied parameters are covered. Property reads see the stand-in
   (``p.T``, ``p.shape``; ``p.requires_grad`` is False inside ``stop_gradient``), except
   ``p.grad`` inside ``stop_gradient``, which stays the parameter's own; property writes
-  (``p.requires_grad = ...``, ``p.grad = ...``) act on the parameter itself.
+  (``p.requires_grad = ...``, ``p.grad = ...``) and the methods that write a flag or a hook
+  (``requires_grad_``, ``register_hook``) act on the parameter itself.
 - :class:`constant` installs a ``torch.utils._python_dispatch.TorchDispatchMode`` that reads
-  each aten op's schema and raises before an op writes into the memory of a selected parameter.
+  each aten op's schema and raises before an op writes into the memory of a selected parameter
+  (byte ranges in the device's memory, whatever storage the write goes through), and a
+  ``TorchFunctionMode`` that refuses ``p.data = other`` on a selected parameter.
 
 All three are :class:`~torchstruct.contexts._Context` classes: ``with`` for a block, a bare
 call for "from now on", ``@`` on a function for every call of it. They validate their input
-before changing anything. Blocks exit in reverse order of entry (they are mode stacks).
+before changing anything. Their modes are thread-local. A ``stop_gradient`` or ``swap`` block
+leaves the mode stack wherever it is in it (a bare block may be exited under a later one); a
+``constant`` block exits in reverse order of entry (an out-of-order exit raises, nothing
+changed).
 
 Limits: a ``torch.autograd.Function.apply`` call does not pass through torch function modes,
 so a parameter handed *directly* to a custom autograd function is not replaced (operations on it
@@ -28,12 +34,13 @@ through its dispatch mode as well.
 """
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from ._ops import run_eagerly
 from .contexts import _Context
@@ -52,11 +59,18 @@ def _check_model(ctx: str, model) -> None:
 # Substitution of parameters in the arguments of torch functions.
 
 
+# methods that write a parameter's flag or hooks: like attribute writes, they act on the
+# parameter itself (``model.requires_grad_(False)`` inside a block freezes the model)
+_ON_PARAMETER = frozenset({"requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
+                           "retain_grad"})
+
+
 class _Substitute(TorchFunctionMode):
     """Replace ``table[id(p)] = (p, make)`` parameters by ``make(p)`` in every torch call.
 
-    Attribute writes (``p.requires_grad = ...``, ``p.grad = ...``) and reads of the attributes
-    named in ``own`` keep acting on the parameter itself.
+    Attribute writes (``p.requires_grad = ...``, ``p.grad = ...``), the methods in
+    ``_ON_PARAMETER`` (``requires_grad_``, ``register_hook``) and reads of the attributes named
+    in ``own`` keep acting on the parameter itself.
     """
 
     stands_in = True  # lifted while torchstruct works on the parameters (_state.LOCK)
@@ -85,7 +99,7 @@ class _Substitute(TorchFunctionMode):
         name = getattr(func, "__name__", None)
         if name == "__get__":  # a property read: which property?
             name = getattr(getattr(func, "__self__", None), "__name__", None)
-        if name in ("__set__", "__delete__") or name in self.own:
+        if name in ("__set__", "__delete__") or name in _ON_PARAMETER or name in self.own:
             return func(*args, **kwargs)
         return func(*self._sub(args), **self._sub(kwargs))
 
@@ -104,7 +118,25 @@ class _SubstituteBlock(_Context):
 
     @run_eagerly
     def _undo(self) -> None:
-        self._mode.__exit__(None, None, None)
+        _leave(self, self._mode)
+
+
+def _leave(ctx, mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off this thread's torch function mode stack, wherever it is: modes
+    entered after it stay, in order. Raises (``ctx`` still active) when it is not there."""
+    if not any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
+        ctx._active = True  # still active where it was entered
+        raise RuntimeError(_not_here(ctx))
+    above = []
+    while (top := torch._C._pop_torch_function_stack()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
+def _not_here(ctx) -> str:
+    return (f"{type(ctx).__name__}: this block is not active in this thread (blocks are "
+            "thread-local: exit it in the thread that entered it)")
 
 
 def _detach(p: Tensor) -> Tensor:
@@ -172,8 +204,8 @@ class swap(_SubstituteBlock):
         model: the module whose parameters are replaced.
         tree: a nested dict of tensors following the module tree, or a flat dict keyed by
             dotted paths (``{"0.weight": t}``, as a ``state_dict``); ``None`` leaves are
-            skipped. Each tensor must have the shape, dtype and device of the parameter it
-            replaces.
+            skipped. Each tensor must have the shape, dtype, layout and device of the
+            parameter it replaces.
 
     Returns:
         The context (use with ``with``, as a decorator, or call it bare to apply from now on).
@@ -181,7 +213,7 @@ class swap(_SubstituteBlock):
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or a leaf is not a tensor.
         ValueError: a path that is not a parameter of ``model`` (naming the closest paths), a
-            non-canonical path of a tied parameter, or a shape/dtype/device mismatch, naming
+            non-canonical path of a tied parameter, or a shape/dtype/layout/device mismatch, naming
             the path. Nothing is changed.
 
     Example:
@@ -222,7 +254,7 @@ class swap(_SubstituteBlock):
                     f"swap: {path!r} is not a parameter of the model; closest paths: "
                     f"{_closest(path, list(canonical))}"
                 )
-            for what in ("shape", "dtype", "device"):
+            for what in ("shape", "dtype", "layout", "device"):
                 want, got = getattr(p, what), getattr(t, what)
                 if want != got:
                     raise ValueError(
@@ -256,13 +288,19 @@ def _written_args(func) -> tuple[tuple[int, str], ...]:
     return hit
 
 
-def _extent(t: Tensor) -> tuple[int, int]:
-    """The byte range ``[start, end)`` that ``t`` may touch."""
+def _place(t: Tensor) -> tuple[object, int, int]:
+    """Where ``t``'s bytes are: ``(memory, start, end)``, the byte range ``[start, end)`` it may
+    touch in that memory. Memory is a device's address space (tensors on different storages
+    may share bytes: ``from_numpy``, dlpack), or, for ``meta`` tensors, which have no bytes,
+    their storage."""
+    if t.device.type == "meta":
+        memory, start = ("meta", t.untyped_storage()._cdata), t.storage_offset() * t.element_size()
+    else:
+        memory, start = t.device, t.data_ptr()
     if t.numel() == 0:
-        return (0, 0)
-    start = t.data_ptr()
+        return memory, 0, 0
     span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
-    return (start, start + span * t.element_size())
+    return memory, start, start + span * t.element_size()
 
 
 class _Guard(TorchDispatchMode):
@@ -270,24 +308,43 @@ class _Guard(TorchDispatchMode):
 
     def __init__(self, protected: list[tuple[str, Tensor]]) -> None:
         super().__init__()
-        self.by_storage: dict[int, list[tuple[str, int, int]]] = {}
+        spans: dict[object, list[tuple[int, int, str]]] = {}
+        self.others: dict[int, tuple[Tensor, str]] = {}  # sparse, ...: by identity
         for path, p in protected:
-            lo, hi = _extent(p)
-            key = p.untyped_storage().data_ptr()
-            self.by_storage.setdefault(key, []).append((path, lo, hi))
+            if p.layout != torch.strided:
+                self.others[id(p)] = (p, path)
+                continue
+            memory, lo, hi = _place(p)
+            spans.setdefault(memory, []).append((lo, hi, path))
+        # per memory: spans sorted by start, their starts, and the running maximum of their ends
+        self.spans = {}
+        for memory, rows in spans.items():
+            rows.sort()
+            ends, top = [], 0
+            for _, hi, _ in rows:
+                top = max(top, hi)
+                ends.append(top)
+            self.spans[memory] = (rows, [lo for lo, _, _ in rows], ends)
 
     def _hit(self, t) -> str | None:
         if not isinstance(t, Tensor):
             return None
+        if t.layout != torch.strided:
+            other = self.others.get(id(t))
+            return other[1] if other is not None and other[0] is t else None
         try:
-            spans = self.by_storage.get(t.untyped_storage().data_ptr())
+            memory, lo, hi = _place(t)
         except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
             return None
-        if spans:
-            lo, hi = _extent(t)
-            for path, plo, phi in spans:
-                if lo < phi and plo < hi:
-                    return path
+        found = self.spans.get(memory)
+        if found is None or lo == hi:
+            return None
+        rows, starts, ends = found
+        j = bisect.bisect_left(starts, hi) - 1  # spans starting before the write ends
+        while j >= 0 and ends[j] > lo:  # some span up to j ends after the write starts
+            if rows[j][1] > lo:
+                return rows[j][2]
+            j -= 1
         return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -304,6 +361,35 @@ class _Guard(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+class _RefuseRebind(TorchFunctionMode):
+    """Raise before ``p.data = other`` gives a selected parameter other values (a rebinding,
+    not an aten write: ``torch.nn.utils.vector_to_parameters``, ``module.double()``)."""
+
+    def __init__(self, chosen: list[tuple[str, Tensor]]) -> None:
+        super().__init__()
+        self.params = {id(p): (p, path) for path, p in chosen}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if (getattr(func, "__name__", None) == "__set__" and len(args) == 2
+                and getattr(getattr(func, "__self__", None), "__name__", None) == "data"):
+            hit = self.params.get(id(args[0]))
+            if hit is not None and hit[0] is args[0] and not _same_data(args[0], args[1]):
+                raise RuntimeError(
+                    f"constant: setting .data would replace the values of parameter {hit[1]!r} "
+                    "inside a ts.constant block"
+                )
+        return func(*args, **(kwargs or {}))
+
+
+def _same_data(p: Tensor, new) -> bool:
+    """``p.data = new`` changes nothing: ``new`` is ``p``'s own memory, seen the same way."""
+    return (isinstance(new, Tensor) and new.device == p.device and new.dtype == p.dtype
+            and new.layout == p.layout and new.shape == p.shape
+            and (new.numel() == 0 or (new.layout == torch.strided
+                                      and new.data_ptr() == p.data_ptr()
+                                      and new.stride() == p.stride())))
+
+
 class constant(_Context):
     """Inside the block, the selected parameters are read-only.
 
@@ -313,7 +399,9 @@ class constant(_Context):
     ``out=`` arguments, ``torch._foreach_*_`` and therefore optimizer steps. Reads and
     out-of-place operations pass. Protection is by memory: any tensor sharing the
     parameter's memory is protected too. The parameter's memory is taken when the block is
-    entered (``p.data = other`` inside the block is not seen).
+    entered; ``p.data = other`` (``vector_to_parameters``) raises too, unless ``other`` is
+    that memory. Writes that bypass PyTorch's operators (a NumPy array on the memory) and
+    replacing the module's parameter object (``load_state_dict(assign=True)``) are not seen.
 
     Arguments:
         model: the module whose parameters are selected.
@@ -350,11 +438,22 @@ class constant(_Context):
         model, *selectors = self._args
         _check_model("constant", model)
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
-        protected = [(path, p) for path, p in chosen if p.numel() and p.layout == torch.strided]
-        mode = _Guard(protected)
+        protected = [(path, p) for path, p in chosen if p.numel() or p.layout != torch.strided]
+        mode, rebind = _Guard(protected), _RefuseRebind(chosen)
+        rebind.__enter__()
         mode.__enter__()
-        self._mode = mode
+        self._mode, self._rebind = mode, rebind
 
     @run_eagerly
     def _undo(self) -> None:
+        stack = _get_current_dispatch_mode_stack()
+        if not stack or stack[-1] is not self._mode:
+            self._active = True  # nothing changed: still active
+            if not any(m is self._mode for m in stack):
+                raise RuntimeError(_not_here(self))
+            raise RuntimeError(
+                "constant: a dispatch mode entered after this block is still active; exit "
+                "blocks in reverse order of entry (as `with` does)"
+            )
         self._mode.__exit__(None, None, None)
+        _leave(self, self._rebind)
