@@ -158,9 +158,20 @@ def test_parameter_object_selects_itself(net):
     assert len(got) == 1 and got[0][1] is net.scale
 
 
-def test_module_without_parameters_selects_nothing(net):
+def test_module_without_parameters_selects_nothing_and_strict_says_so(net):
+    """A selector naming only parameter-less modules is an empty match: freeze_except would
+    freeze everything. Strict (the default) refuses it; strict=False allows it."""
     net.act = nn.ReLU()
-    assert paths(net, net.act) == []
+    for sel in (net.act, "act", "ac*", ["act"]):
+        with pytest.raises(ValueError, match="selects no parameter"):
+            ts.select(net, sel)
+        assert ts.select(net, sel, strict=False) == []
+    before = [p.requires_grad for p in net.parameters()]
+    with pytest.raises(ValueError, match="'act'"):
+        ts.freeze_except(net, "act")
+    assert [p.requires_grad for p in net.parameters()] == before
+    with pytest.raises(ValueError, match="'act'"):  # each member of a union is checked
+        ts.select(net, ["act", "head"])
 
 
 # ----------------------------------------------------------------------------- unions

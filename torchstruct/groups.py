@@ -423,7 +423,7 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
         rules.append((before, {"lr_scale": decay ** (n + 1), "name": "layer 0"}))
     for i, block in enumerate(blocks, start=1):
         sel = glob.escape(block)  # a block named "a[1]" is that block, not a pattern
-        if select(model, sel, idx=idx):
+        if select(model, sel, strict=False, idx=idx):  # a block without parameters: no rule
             rules.append((sel, {"lr_scale": decay ** (n + 1 - i), "name": block}))
     if after:
         rules.append((after, {"lr_scale": 1.0, "name": f"layer {n + 1}"}))

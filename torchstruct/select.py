@@ -123,7 +123,13 @@ def _predicate(
                 f"selector: the given {type(sel).__name__} is not a submodule of the model "
                 "(modules are matched by identity; a copy or a new instance is another module)"
             )
-        return {id(p) for p in sel.parameters()}
+        ids = {id(p) for p in sel.parameters()}
+        if strict and not ids:
+            raise ValueError(
+                f"selector: the given {type(sel).__name__} has no parameters: it selects no "
+                "parameter (pass strict=False to allow an empty match)"
+            )
+        return ids
     if isinstance(sel, str):
         pred = _glob(sel)
         known = idx.all_paths() + list(idx.modules)
@@ -132,6 +138,13 @@ def _predicate(
             raise ValueError(
                 f"selector {sel!r} matches no parameter or module; closest paths: "
                 f"{_closest(sel, known)} (pass strict=False to allow an empty match)"
+            )
+        if strict and not any(pred(path, None) for path in idx.all_paths()):
+            named = [name for name in idx.modules if whole(name)]
+            raise ValueError(
+                f"selector {sel!r} names only modules without parameters "
+                f"({', '.join(repr(n) for n in named[:5])}): it selects no parameter (pass "
+                "strict=False to allow an empty match)"
             )
         return pred
     if isinstance(sel, re.Pattern):
@@ -172,8 +185,9 @@ def select(
     Arguments:
         model: the module whose parameters are searched.
         *selectors: see the module docstring; several selectors are a union.
-        strict: when True (default), a string or regex selector that matches nothing, or a
-            module or parameter that does not belong to ``model``, raises.
+        strict: when True (default), a string or regex selector that matches nothing (or
+            only modules without parameters), a module without parameters, or a module or
+            parameter that does not belong to ``model``, raises.
         idx: a precomputed :func:`index` of ``model`` (to avoid walking it twice).
 
     Returns:
