@@ -35,6 +35,7 @@ through its dispatch mode as well.
 from __future__ import annotations
 
 import bisect
+import sys
 from collections.abc import Callable
 
 import torch
@@ -101,7 +102,14 @@ class _Substitute(TorchFunctionMode):
             name = getattr(getattr(func, "__self__", None), "__name__", None)
         if name in ("__set__", "__delete__") or name in _ON_PARAMETER or name in self.own:
             return func(*args, **kwargs)
+        if name == "requires_grad" and sys._getframe(1).f_code in _COPYING:
+            return func(*args, **kwargs)  # a copy or a save of the parameter: its own flag
         return func(*self._sub(args), **self._sub(kwargs))
+
+
+# Parameter's own copy and serialization code: the flag it reads is the parameter's, so a
+# deepcopy or torch.save made inside a block keeps the flags (the copy is not in the block)
+_COPYING = frozenset({nn.Parameter.__deepcopy__.__code__, nn.Parameter.__reduce_ex__.__code__})
 
 
 class _SubstituteBlock(_Context):
