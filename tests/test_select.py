@@ -170,8 +170,9 @@ def test_module_without_parameters_selects_nothing_and_strict_says_so(net):
     with pytest.raises(ValueError, match="'act'"):
         ts.freeze_except(net, "act")
     assert [p.requires_grad for p in net.parameters()] == before
-    with pytest.raises(ValueError, match="'act'"):  # each member of a union is checked
-        ts.select(net, ["act", "head"])
+    # in a union that picks parameters, a parameter-less module is fine (layers listed by index)
+    assert [path for path, _ in ts.select(net, ["act", "head"])] == ["head.weight", "head.bias"]
+    assert ts.select(net, "act", lambda path, p: False) == []  # a predicate answered: no error
 
 
 # ----------------------------------------------------------------------------- unions

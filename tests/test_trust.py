@@ -368,10 +368,15 @@ def test_empty_or_foreign_selectors_raise_and_change_nothing(kind, sel):
     assert not len(m._forward_pre_hooks)
 
 
-def test_a_module_of_the_model_without_parameters_is_a_valid_selector():
+def test_a_module_of_the_model_without_parameters_is_an_empty_match():
     m = mlp()
-    with ts.freeze(m, m[1]):  # the ReLU: selects nothing, not an error
-        assert all(flags(m).values())
+    with pytest.raises(ValueError, match="ReLU names only modules without parameters"):
+        ts.freeze_except(m, m[1])  # the ReLU alone: would freeze everything
+    assert all(flags(m).values())
+    with ts.freeze_except(m, m[1], strict=False):  # said on purpose
+        assert not any(flags(m).values())
+    with ts.freeze(m, [m[1], m[2]]):  # with a module that has parameters: fine
+        assert [k for k, v in flags(m).items() if not v] == ["2.weight", "2.bias"]
 
 
 # ----------------------------------------------------------------------------- value_and_grad

@@ -123,13 +123,7 @@ def _predicate(
                 f"selector: the given {type(sel).__name__} is not a submodule of the model "
                 "(modules are matched by identity; a copy or a new instance is another module)"
             )
-        ids = {id(p) for p in sel.parameters()}
-        if strict and not ids:
-            raise ValueError(
-                f"selector: the given {type(sel).__name__} has no parameters: it selects no "
-                "parameter (pass strict=False to allow an empty match)"
-            )
-        return ids
+        return {id(p) for p in sel.parameters()}
     if isinstance(sel, str):
         pred = _glob(sel)
         known = idx.all_paths() + list(idx.modules)
@@ -138,13 +132,6 @@ def _predicate(
             raise ValueError(
                 f"selector {sel!r} matches no parameter or module; closest paths: "
                 f"{_closest(sel, known)} (pass strict=False to allow an empty match)"
-            )
-        if strict and not any(pred(path, None) for path in idx.all_paths()):
-            named = [name for name in idx.modules if whole(name)]
-            raise ValueError(
-                f"selector {sel!r} names only modules without parameters "
-                f"({', '.join(repr(n) for n in named[:5])}): it selects no parameter (pass "
-                "strict=False to allow an empty match)"
             )
         return pred
     if isinstance(sel, re.Pattern):
@@ -185,9 +172,9 @@ def select(
     Arguments:
         model: the module whose parameters are searched.
         *selectors: see the module docstring; several selectors are a union.
-        strict: when True (default), a string or regex selector that matches nothing (or
-            only modules without parameters), a module without parameters, or a module or
-            parameter that does not belong to ``model``, raises.
+        strict: when True (default), a string or regex selector that matches nothing, a
+            module or parameter that does not belong to ``model``, or selectors (no callable
+            among them) that together pick no parameter (modules without parameters), raise.
         idx: a precomputed :func:`index` of ``model`` (to avoid walking it twice).
 
     Returns:
@@ -207,11 +194,24 @@ def select(
         ['1.weight', '1.bias']
     """
     idx = index(model) if idx is None else idx
-    preds = [_predicate(sel, model, idx, strict) for sel in _flatten(selectors)]
+    members = list(_flatten(selectors))
+    preds = [_predicate(sel, model, idx, strict) for sel in members]
     ids = {i for pr in preds if isinstance(pr, set) for i in pr}
     fns = [pr for pr in preds if not isinstance(pr, set)]
-    return [
+    picked = [
         (ps[0], p)
         for p, ps in zip(idx.params, idx.paths)
         if id(p) in ids or any(fn(path, p) for fn in fns for path in ps)
     ]
+    if strict and members and not picked and not any(_is_predicate(s) for s in members):
+        named = ", ".join(repr(s) if isinstance(s, str) else type(s).__name__ for s in members)
+        raise ValueError(
+            f"selector {named} names only modules without parameters: it selects no parameter "
+            "(freeze_except would freeze everything; pass strict=False to allow an empty match)"
+        )
+    return picked
+
+
+def _is_predicate(sel) -> bool:
+    """A callable selector (not a module): matching nothing is an answer, not a mistake."""
+    return callable(sel) and not isinstance(sel, (nn.Module, re.Pattern))
