@@ -849,21 +849,25 @@ def test_within_gradient_compiled_torch_func_grad():
     assert torch.equal(grad(torch.ones(3)), torch.full((3,), 2.0))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "inside torch.compile(fullgraph=True) within_gradient only reads grad mode and "
-    "requires_grad, so a forward-mode dual (torch.autograd.forward_ad) takes the non-gradient "
-    "branch silently (tangent 3 where eager gives 2), also on a fresh compile; the contract "
-    "says within_gradient is correct under compile for each AD mode: expected True (or a "
-    "clear error)"))
 def test_within_gradient_compiled_forward_mode_dual():
+    """Traced code cannot see tangents: inside a forward-AD level the check runs eagerly
+    (a graph break), and with fullgraph=True that is an error, never the wrong branch."""
     def fn(t):
         return t * 2 if W(t) else t * 3
 
     torch._dynamo.reset()
-    cf = torch.compile(fn, fullgraph=True, backend="eager")
+    cf = torch.compile(fn, backend="eager")
     with fwad.dual_level():
         out = cf(fwad.make_dual(torch.ones(3), torch.ones(3)))
         assert torch.equal(fwad.unpack_dual(out).tangent, torch.full((3,), 2.0))
+        assert torch.equal(cf(torch.ones(3)), torch.full((3,), 3.0))  # no tangent: False
+    assert torch.equal(cf(torch.ones(3)), torch.full((3,), 3.0))
+    torch._dynamo.reset()
+    strict = torch.compile(fn, fullgraph=True, backend="eager")
+    assert torch.equal(strict(torch.ones(3)), torch.full((3,), 3.0))  # no level: no break
+    with fwad.dual_level():
+        with pytest.raises(Exception, match="disable"):
+            strict(fwad.make_dual(torch.ones(3), torch.ones(3)))
 
 
 # --- stop_gradient and structural_grad --------------------------------------------------------

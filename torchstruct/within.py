@@ -20,7 +20,11 @@ tangent under ``no_grad``, so ``within_gradient`` stays True for it there (it is
 
 Under ``torch.compile`` (also ``fullgraph=True``) the check reduces to ``torch.is_grad_enabled()``
 and ``x.requires_grad``, which dynamo specializes and guards on: each branch of a function that
-branches on it is compiled for the mode it is called in, without a graph break.
+branches on it is compiled for the mode it is called in, without a graph break. Inside a
+forward-AD level (``torch.autograd.forward_ad.dual_level``), where traced code cannot see
+tangents, the check runs eagerly through a graph break (with ``fullgraph=True``: an error, never
+a wrong answer). Limit: inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` compiled as a whole,
+dynamo reports ``requires_grad`` False, so the answer there is False.
 """
 from __future__ import annotations
 
@@ -52,13 +56,23 @@ def _has_tangent(t: Tensor) -> bool:
 def _tracked(t: Tensor) -> bool:
     grad_mode = torch.is_grad_enabled()
     if _compiling():
-        return grad_mode and t.requires_grad
+        if grad_mode and t.requires_grad:
+            return True
+        if _fwad._current_level >= 0:  # traced code cannot see tangents: ask eagerly
+            return _tracked_eagerly(t)
+        return False
     while True:
         if (grad_mode and t.requires_grad) or _has_tangent(t):
             return True
         if not _functorch.is_functorch_wrapped_tensor(t):
             return False
         t = _functorch.get_unwrapped(t)  # e.g. a vmap wrapper inside torch.func.grad
+
+
+@torch.compiler.disable
+def _tracked_eagerly(t: Tensor) -> bool:
+    """:func:`_tracked` outside the trace (a graph break; with ``fullgraph=True`` an error)."""
+    return _tracked(t)
 
 
 def within_gradient(*xs: Tensor | nn.Module) -> bool:
