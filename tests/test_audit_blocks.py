@@ -224,6 +224,29 @@ def test_tied_gpt2_from_config():
     same_grads(got, grads(model))
 
 
+def test_gpt2_with_reentrant_gradient_checkpointing_inside_stop_gradient_is_refused():
+    """HF's gradient checkpointing with use_reentrant=True recomputes each block after a
+    stop_gradient around the forward has exited: refused, instead of gradients for the blocked
+    weights. Evaluation (eval mode, no checkpointing) inside a swap is untouched."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=8, n_layer=2, n_head=2,
+                                     attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    model.train()
+    ids = torch.randint(0, 32, (2, 6))
+    with ts.stop_gradient(model, "transformer.h.0.attn"):
+        with pytest.raises(RuntimeError, match="reentrant activation checkpoint"):
+            model(ids)
+    assert all(p.grad is None for p in model.parameters())
+    model.eval()
+    ema = {n: p.detach() * 0.5 for n, p in model.named_parameters()}
+    with torch.no_grad(), ts.swap(model, ema):
+        model(ids)
+
+
 def test_bert_from_config_swap_and_stop_gradient():
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(vocab_size=30, hidden_size=8, num_hidden_layers=2,
@@ -420,16 +443,38 @@ def test_checkpoint_non_reentrant_recomputed_outside_the_block_is_loud():
         y.sum().backward()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a reentrant checkpoint called inside a stop_gradient block is recomputed during backward "
-    "after the block has exited (documented): the recompute uses the real parameter and the "
-    "blocked weight silently gets a gradient; expected None (or an error)"))
-def test_checkpoint_reentrant_recomputed_outside_the_block():
+@pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
+def test_checkpoint_reentrant_called_inside_the_block_is_refused(kind):
+    """Its backward would recompute after the block, without the stand-ins: an error, with
+    nothing accumulated; entered inside the checkpointed function, the block is fine, and
+    an evaluation (no input requiring grad, no backward to come) is not refused."""
+    torch.manual_seed(0)
     m, x = nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True)
-    with ts.stop_gradient(m, "weight"):
-        y = checkpoint(m, x, use_reentrant=True)
+
+    def block():
+        if kind == "stop_gradient":
+            return ts.stop_gradient(m, "weight")
+        return ts.swap(m, {"weight": torch.zeros(3, 3)})
+
+    with block():
+        with pytest.raises(RuntimeError, match=f"{kind}: .*reentrant activation checkpoint"):
+            checkpoint(m, x, use_reentrant=True)
+        with torch.no_grad():
+            m(x)  # no checkpoint: plain no_grad use is fine
+        y_eval = checkpoint(m, x.detach(), use_reentrant=True)  # nothing to recompute
+    assert m.weight.grad is None and not y_eval.requires_grad
+
+    def inner(u):
+        with block():
+            return m(u)
+
+    y = checkpoint(inner, x, use_reentrant=True)
     y.sum().backward()
-    assert m.weight.grad is None
+    with block():
+        want = m(x)
+    assert torch.equal(y, want)
+    if kind == "stop_gradient":
+        assert m.weight.grad is None and m.bias.grad is not None
 
 
 # --------------------------------------------------------------------------- nesting, state

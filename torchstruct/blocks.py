@@ -39,6 +39,7 @@ import sys
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
@@ -77,10 +78,13 @@ class _Substitute(TorchFunctionMode):
     stands_in = True  # lifted while torchstruct works on the parameters (_state.LOCK)
 
     def __init__(self, table: dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]],
-                 own: frozenset[str] = frozenset()) -> None:
+                 own: frozenset[str] = frozenset(), kind: str = "block") -> None:
         super().__init__()
         self.table = table
         self.own = own
+        self.kind = kind
+        # reentrant checkpoints already running when the block was entered (it is inside them)
+        self.outer = {id(f) for f in _checkpoint_frames(sys._getframe())}
 
     def _sub(self, x):
         if isinstance(x, Tensor):
@@ -104,8 +108,39 @@ class _Substitute(TorchFunctionMode):
             return func(*args, **kwargs)
         if name == "requires_grad" and sys._getframe(1).f_code in _COPYING:
             return func(*args, **kwargs)  # a copy or a save of the parameter: its own flag
-        return func(*self._sub(args), **self._sub(kwargs))
+        new_args, new_kwargs = self._sub(args), self._sub(kwargs)
+        if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+                new_args is not args or any(new_kwargs[k] is not v for k, v in kwargs.items())):
+            self._refuse_recompute()
+        return func(*new_args, **new_kwargs)
 
+    def _refuse_recompute(self) -> None:
+        """A stand-in used inside a reentrant checkpoint entered after the block, which will
+        record a backward: the backward recomputes without the block, silently wrong."""
+        for frame in _checkpoint_frames(sys._getframe(2)):
+            if id(frame) in self.outer:
+                continue
+            inputs = frame.f_locals.get("args", ())
+            if any(isinstance(t, Tensor) and t.requires_grad for t in inputs):
+                raise RuntimeError(
+                    f"{self.kind}: a parameter it replaces is used inside a reentrant activation "
+                    "checkpoint (torch.utils.checkpoint with use_reentrant=True) called inside "
+                    "the block: its backward recomputes the function after the block has "
+                    "exited, without the replacement, so the gradients would be wrong. Enter the "
+                    "block inside the checkpointed function, or use use_reentrant=False")
+
+
+def _checkpoint_frames(frame) -> list:
+    """The frames of ``torch.utils.checkpoint``'s reentrant forward from ``frame`` outwards."""
+    out = []
+    while frame is not None:
+        if frame.f_code is _REENTRANT_FORWARD:
+            out.append(frame)
+        frame = frame.f_back
+    return out
+
+
+_REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 
 # Parameter's own copy and serialization code: the flag it reads is the parameter's, so a
 # deepcopy or torch.save made inside a block keeps the flags (the copy is not in the block)
@@ -120,7 +155,7 @@ class _SubstituteBlock(_Context):
 
     @run_eagerly
     def _apply(self) -> None:
-        mode = _Substitute(self._table(), self.own)  # validates; raises before any change
+        mode = _Substitute(self._table(), self.own, type(self).__name__)  # validates first
         mode.__enter__()
         self._mode = mode
 
