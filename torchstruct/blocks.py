@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from . import _state
 from ._ops import run_eagerly
 from .contexts import _Context
 from .select import _closest, index, select
@@ -131,8 +132,12 @@ class _SubstituteBlock(_Context):
 
 def _leave(ctx, mode: TorchFunctionMode) -> None:
     """Take ``mode`` off this thread's torch function mode stack, wherever it is: modes
-    entered after it stay, in order. Raises (``ctx`` still active) when it is not there."""
+    entered after it stay, in order. Raises (``ctx`` still active) when it is not there.
+    Left while torchstruct has it lifted (a generator holding the block closed from inside a
+    torchstruct call), it is taken off the lifted modes: it does not come back."""
     if not any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
+        if _state.take_lifted(mode):
+            return
         ctx._active = True  # still active where it was entered
         raise RuntimeError(_not_here(ctx))
     above = []
