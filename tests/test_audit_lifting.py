@@ -259,6 +259,24 @@ def test_calls_that_raise_or_not_restore_the_stack_exactly(call):
     assert not any(isinstance(mode, Mine) for mode in stack())
 
 
+def test_a_block_entered_by_trainable_stays_open_and_the_flags_are_right():
+    """A ``trainable()`` that enters a bare block while torchstruct applies the declaration: the
+    rest of the application still reads the parameters' own flags, the block is open after
+    (on top of the user's mode), and leaves cleanly."""
+    m = Net()
+    opened = []
+    m.hook = lambda: opened.append(ts.stop_gradient(m))
+    with Mine() as mine:
+        ts.attach(m)
+        assert len(stack()) == 2 and stack()[0] is mine and stack()[1] is opened[0]._mode
+        opened[0].__exit__(None, None, None)
+        assert same(stack(), [mine])
+    assert flags(m) == {"a.weight": False, "a.bias": False, "b.weight": True, "b.bias": True}
+    with ts.freeze(m):
+        pass
+    assert flags(m) == {"a.weight": False, "a.bias": False, "b.weight": True, "b.bias": True}
+
+
 def test_user_modes_entered_or_exited_inside_trainable_stay_so():
     m = Net()
     mine = Mine()
@@ -414,3 +432,20 @@ def test_ts_optim_inside_swap_equals_torch_optim(grads_on):
     assert not all(torch.equal(a, b) for a, b in zip(out[0][:2], out[0][2:])) or grads_on \
         == "parameters"
 
+
+def test_a_block_entered_after_a_nested_lift_ended_is_not_lost():
+    """Lifts nest (``ts.optim``'s step planning, ``ts.global_norm`` of a model and
+    ``structural_grad`` lift inside the lock too); a block entered after an inner lift ended,
+    still under the outer, must come on the stack when the outer ends (and block the
+    gradient)."""
+    from torchstruct import _state
+
+    m = nn.Linear(2, 2)
+    with _state.LOCK:
+        with _state.without_stand_ins():
+            pass
+        block = ts.stop_gradient(m, "weight")
+    assert len(stack()) == 1 and stack()[0] is block._mode
+    with block:  # already active: exits at the end
+        m(torch.ones(1, 2)).sum().backward()
+    assert m.weight.grad is None and m.bias.grad is not None and stack() == []

@@ -52,7 +52,8 @@ def without_stand_ins():
 
     Modes entered or exited inside (a ``trainable()`` method, a generator closed here) stay so:
     a lifted mode taken away with :func:`take_lifted` is not put back, the others return to
-    their places, and modes entered inside stay on top.
+    their places, and modes entered inside stay on top (stand-ins entered with
+    :func:`push_stand_in` are lifted too until the outermost lift ends).
     """
     depth = torch._C._len_torch_function_stack()
     stack = [torch._C._pop_torch_function_stack() for _ in range(depth)][::-1]  # bottom first
@@ -86,7 +87,19 @@ def _restored(stack: list, lifted: list, now: list) -> list:
         if k is not None:  # still there: with the modes entered between it and the last one
             out += now[j:k + 1]
             j = k + 1
-    return out + now[j:]
+    entered = [m for m in lifted if not any(m is s for s in stack)]  # see push_stand_in
+    return out + now[j:] + entered
+
+
+def push_stand_in(mode) -> None:
+    """Enter ``mode`` (a mode with a true ``stands_in``) on this thread's stack; while this
+    thread is lifting them (a block entered by a ``trainable()`` method torchstruct runs), it
+    is held lifted with the others and goes on top when the outermost lift ends."""
+    frames = getattr(_lifting, "frames", None)
+    if frames:
+        frames[0].append(mode)
+    else:
+        torch._C._push_on_torch_function_stack(mode)
 
 
 def take_lifted(mode) -> bool:
@@ -104,7 +117,7 @@ class _Lock:
     """A re-entrant lock; while a thread holds it, :func:`without_stand_ins` is in force for
     that thread: torchstruct's bookkeeping (flags, records, declarations, the user's
     ``trainable()`` and selector callables it runs) sees the parameters, also when it runs
-    inside a ``stop_gradient`` or ``swap`` block."""
+    inside a ``stop_gradient`` or ``swap`` block (a block entered meanwhile is lifted too)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

@@ -122,7 +122,7 @@ class _SubstituteBlock(_Context):
     @run_eagerly
     def _apply(self) -> None:
         mode = _Substitute(self._table(), self.own)  # validates; raises before any change
-        mode.__enter__()
+        _state.push_stand_in(mode)
         self._mode = mode
 
     @run_eagerly
