@@ -449,3 +449,88 @@ def test_a_block_entered_after_a_nested_lift_ended_is_not_lost():
     with block:  # already active: exits at the end
         m(torch.ones(1, 2)).sum().backward()
     assert m.weight.grad is None and m.bias.grad is not None and stack() == []
+
+
+def test_a_generator_finalized_by_the_garbage_collector_inside_a_torchstruct_call():
+    """A generator in a reference cycle holding a block, collected while torchstruct applies
+    flags (any allocation may collect): its block leaves for good."""
+    import gc
+
+    m = Net()
+    ts.attach(m)
+
+    def held(box):
+        with ts.stop_gradient(m.b):
+            yield
+
+    box = [None]
+    box[0] = held(box)
+    next(box[0])
+    del box
+    assert len(stack()) == 1
+    m.hook = gc.collect
+    with ts.freeze(m, "a"):
+        pass
+    assert stack() == []
+    m(torch.ones(1, 2)).sum().backward()
+    assert m.b.weight.grad is not None
+
+
+def test_async_tasks_with_blocks_and_contexts_interleaved():
+    import asyncio
+
+    torch.manual_seed(0)
+    m = mlp()
+    ts.attach(m)
+    x = torch.randn(3, 4)
+    outs = []
+
+    @ts.stop_gradient(m[0])
+    async def blocked_forward():
+        for _ in range(3):
+            outs.append(m(x))
+            await asyncio.sleep(0)
+
+    async def contexts():
+        for _ in range(3):
+            with ts.freeze(m, "2"):
+                assert ts.is_trainable(m, "0.weight") and not ts.is_trainable(m, "2.weight")
+                await asyncio.sleep(0)
+
+    async def main():
+        await asyncio.gather(blocked_forward(), contexts())
+
+    asyncio.run(main())
+    assert stack() == [] and flags(m) == dict.fromkeys(flags(m), True)
+    outs[-1].sum().backward()
+    assert m[0].weight.grad is None and m[3].weight.grad is not None
+
+
+def test_ts_state_dict_inside_swap_keys_as_outside_values_as_torch_state_dict_inside():
+    """The paths are the model's trainable ones; the values, like ``model.state_dict()`` in the
+    block (docs/stop_gradient.md), are the stand-ins' (saving EMA weights from the block)."""
+    m = mlp()
+    ts.freeze(m, "2")
+    ema = {k: torch.full_like(v, 7.0) for k, v in ts.state_dict(m).items()}
+    want = list(ts.state_dict(m))
+    with ts.swap(m, ema):
+        got = ts.state_dict(m)
+        plain = m.state_dict()
+    assert list(got) == want
+    assert all(torch.equal(got[k], plain[k]) and torch.equal(got[k], ema[k]) for k in got)
+
+
+def test_compiled_function_entering_a_block_and_a_context():
+    torch.manual_seed(0)
+    m = mlp()
+    ts.attach(m)
+    x = torch.randn(3, 4)
+
+    @torch.compile(backend="eager")
+    def run(x):
+        with ts.freeze(m, "2"), ts.stop_gradient(m[0]):
+            return m(x)
+
+    run(x).sum().backward()
+    assert stack() == [] and flags(m) == dict.fromkeys(flags(m), True)
+    assert _same_grads(_grads(m), _hand(frozen="2", detached="0"))
