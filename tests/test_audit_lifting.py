@@ -534,3 +534,48 @@ def test_compiled_function_entering_a_block_and_a_context():
     run(x).sum().backward()
     assert stack() == [] and flags(m) == dict.fromkeys(flags(m), True)
     assert _same_grads(_grads(m), _hand(frozen="2", detached="0"))
+
+
+def test_blocks_entered_and_left_by_a_selector_callable():
+    """A callable selector runs with the blocks lifted: a block it enters is lifted with them
+    (the flags it decides are the parameters'), one it leaves stays left."""
+    m = Net()
+    ts.attach(m)
+    outer = ts.stop_gradient(m.a)  # bare, left by the selector
+    opened = []
+
+    def pick(path, p):
+        if not opened:
+            opened.append(ts.stop_gradient(m.b))
+            outer.__exit__(None, None, None)
+        return path.startswith("a.")
+
+    with ts.freeze(m, pick, "b.bias"):
+        assert same(stack(), [opened[0]._mode])
+        assert not outer._active
+        opened[0].__exit__(None, None, None)
+        assert flags(m) == {"a.weight": False, "a.bias": False, "b.weight": True, "b.bias": False}
+    # Net declares "b": "a" stays frozen by the declaration, "b.bias" is restored
+    assert flags(m) == {"a.weight": False, "a.bias": False, "b.weight": True, "b.bias": True}
+    assert stack() == []
+
+
+@pytest.mark.parametrize("where", ["target", "source"])
+@pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
+def test_polyak_update_inside_a_block_does_what_the_same_torch_ops_do(kind, where):
+    """``polyak_update`` moves values, a torch operation: inside ``stop_gradient`` it equals the
+    update outside; inside ``swap`` it reads and writes the stand-ins, as
+    ``torch._foreach_lerp_`` does in the same block (the parameters of a swapped target stay)."""
+    def run(update):
+        torch.manual_seed(0)
+        src, tgt = nn.Linear(3, 2), nn.Linear(3, 2)
+        model = tgt if where == "target" else src
+        block = (ts.stop_gradient(model) if kind == "stop_gradient"
+                 else ts.swap(model, {"bias": torch.zeros(2)}))
+        with block, torch.no_grad():
+            update(tgt, src)
+        return [p.detach().clone() for p in [*tgt.parameters(), *src.parameters()]]
+
+    got = run(lambda t, s: ts.polyak_update(t, s, 0.5))
+    want = run(lambda t, s: torch._foreach_lerp_(list(t.parameters()), list(s.parameters()), 0.5))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
