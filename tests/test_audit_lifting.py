@@ -257,6 +257,9 @@ def test_calls_that_raise_or_not_restore_the_stack_exactly(call):
             ts.optim.SGD(m.parameters(), lr=0.1).step()
         assert same(stack(), before)
     assert not any(isinstance(mode, Mine) for mode in stack())
+    if call != "optim_step":  # bad input changed no flag; a context left restored them
+        declared = call == "freeze_ok"  # attached by the context: Net's trainable() applies
+        assert flags(m) == {k: not (declared and k.startswith("a.")) for k in flags(m)}
 
 
 def test_a_block_entered_by_trainable_stays_open_and_the_flags_are_right():
@@ -579,3 +582,31 @@ def test_polyak_update_inside_a_block_does_what_the_same_torch_ops_do(kind, wher
     got = run(lambda t, s: ts.polyak_update(t, s, 0.5))
     want = run(lambda t, s: torch._foreach_lerp_(list(t.parameters()), list(s.parameters()), 0.5))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_freeze_decorated_generator_holding_a_block_across_yields():
+    """The decorator's context applies around each resumption (lifting the generator's own
+    block to write the flags); between resumptions the caller sees the model unfrozen, with the
+    generator's block still open on this thread."""
+    torch.manual_seed(0)
+    m = mlp()
+    ts.attach(m)
+    x = torch.randn(3, 4)
+
+    @ts.freeze(m, "2")
+    def forwards():
+        with ts.stop_gradient(m[0]):
+            while True:
+                yield m(x), flags(m)["2.weight"], ts.is_trainable(m, "0.weight")
+
+    g = forwards()
+    out, frozen_inside, trainable_inside = next(g)
+    assert frozen_inside is False and trainable_inside is True
+    assert ts.is_trainable(m, "2.weight") and len(stack()) == 1
+    ts.mark_trainable(m, "0", "2", "3")  # between resumptions, the block open
+    out, frozen_inside, _ = next(g)
+    g.close()
+    assert frozen_inside is False and stack() == []
+    assert flags(m) == dict.fromkeys(flags(m), True)
+    out.sum().backward()
+    assert _same_grads(_grads(m), _hand(frozen="2", detached="0"))
