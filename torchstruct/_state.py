@@ -40,35 +40,84 @@ from torch.nn.modules import module as _module_mod
 
 
 
+_lifting = threading.local()  # .frames: this thread's lifted stand-in modes, one list per lift
+
+
 @contextlib.contextmanager
 def without_stand_ins():
     """Within the block, this thread's torch function modes that stand tensors in for
     parameters (``stop_gradient`` and ``swap`` blocks: modes with a true ``stands_in``
     attribute) are lifted, every other mode staying in its order: code here reads and writes
     the parameters themselves (``p.requires_grad`` is the parameter's flag, not its stand-in's).
+
+    Modes entered or exited inside (a ``trainable()`` method, a generator closed here) stay so:
+    a lifted mode taken away with :func:`take_lifted` is not put back, the others return to
+    their places, and modes entered inside stay on top (stand-ins entered with
+    :func:`push_stand_in` are lifted too until the outermost lift ends).
     """
     depth = torch._C._len_torch_function_stack()
-    if not depth:
-        yield
-        return
     stack = [torch._C._pop_torch_function_stack() for _ in range(depth)][::-1]  # bottom first
-    keep = [mode for mode in stack if not getattr(mode, "stands_in", False)]
-    for mode in keep:
-        torch._C._push_on_torch_function_stack(mode)
+    lifted = [mode for mode in stack if getattr(mode, "stands_in", False)]
+    for mode in stack:
+        if not getattr(mode, "stands_in", False):
+            torch._C._push_on_torch_function_stack(mode)
+    frames = _lifting.__dict__.setdefault("frames", [])
+    frames.append(lifted)
     try:
         yield
     finally:
-        for _ in keep:
-            torch._C._pop_torch_function_stack()
-        for mode in stack:
+        del frames[next(i for i, f in enumerate(frames) if f is lifted)]  # by identity
+        now = [torch._C._pop_torch_function_stack()
+               for _ in range(torch._C._len_torch_function_stack())][::-1]
+        for mode in _restored(stack, lifted, now):
             torch._C._push_on_torch_function_stack(mode)
+
+
+def _restored(stack: list, lifted: list, now: list) -> list:
+    """The mode stack after a lift: ``stack`` as it was, less the lifted modes taken away and
+    the other modes no longer in ``now``, with the modes entered meanwhile (in ``now``) after
+    the mode they were entered above."""
+    out, j = [], 0
+    for mode in stack:
+        if getattr(mode, "stands_in", False):
+            if any(m is mode for m in lifted):
+                out.append(mode)
+            continue
+        k = next((i for i in range(j, len(now)) if now[i] is mode), None)
+        if k is not None:  # still there: with the modes entered between it and the last one
+            out += now[j:k + 1]
+            j = k + 1
+    entered = [m for m in lifted if not any(m is s for s in stack)]  # see push_stand_in
+    return out + now[j:] + entered
+
+
+def push_stand_in(mode) -> None:
+    """Enter ``mode`` (a mode with a true ``stands_in``) on this thread's stack; while this
+    thread is lifting them (a block entered by a ``trainable()`` method torchstruct runs), it
+    is held lifted with the others and goes on top when the outermost lift ends."""
+    frames = getattr(_lifting, "frames", None)
+    if frames:
+        frames[0].append(mode)
+    else:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def take_lifted(mode) -> bool:
+    """Take ``mode`` off this thread's lifted modes (a block left while lifted): True if it
+    was there; it is then not put back when the lift ends."""
+    for lifted in getattr(_lifting, "frames", ()):
+        for i, m in enumerate(lifted):
+            if m is mode:
+                del lifted[i]
+                return True
+    return False
 
 
 class _Lock:
     """A re-entrant lock; while a thread holds it, :func:`without_stand_ins` is in force for
     that thread: torchstruct's bookkeeping (flags, records, declarations, the user's
     ``trainable()`` and selector callables it runs) sees the parameters, also when it runs
-    inside a ``stop_gradient`` or ``swap`` block."""
+    inside a ``stop_gradient`` or ``swap`` block (a block entered meanwhile is lifted too)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

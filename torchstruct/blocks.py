@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from . import _state
 from ._ops import run_eagerly
 from .contexts import _Context
 from .select import _closest, index, select
@@ -156,7 +157,7 @@ class _SubstituteBlock(_Context):
     @run_eagerly
     def _apply(self) -> None:
         mode = _Substitute(self._table(), self.own, type(self).__name__)  # validates first
-        mode.__enter__()
+        _state.push_stand_in(mode)
         self._mode = mode
 
     @run_eagerly
@@ -166,8 +167,12 @@ class _SubstituteBlock(_Context):
 
 def _leave(ctx, mode: TorchFunctionMode) -> None:
     """Take ``mode`` off this thread's torch function mode stack, wherever it is: modes
-    entered after it stay, in order. Raises (``ctx`` still active) when it is not there."""
+    entered after it stay, in order. Raises (``ctx`` still active) when it is not there.
+    Left while torchstruct has it lifted (a generator holding the block closed from inside a
+    torchstruct call), it is taken off the lifted modes: it does not come back."""
     if not any(m is mode for m in torch.overrides._get_current_function_mode_stack()):
+        if _state.take_lifted(mode):
+            return
         ctx._active = True  # still active where it was entered
         raise RuntimeError(_not_here(ctx))
     above = []
