@@ -1,0 +1,495 @@
+"""The prose of README.md and docs/*.md, and the public docstrings, read as promises.
+
+The code blocks of the docs already run (tests/test_docs.py); this file checks the sentences
+around them, one claim per test, grouped by page, each with the claim quoted. It also checks
+that every name, argument and option the docs mention exists with that spelling and
+signature, and that every public name is documented somewhere in docs/.
+
+A test marked ``xfail(strict=True)`` reproduces a case where behaviour and docs disagree; its
+reason quotes the claim and says what happens.
+"""
+import asyncio
+import inspect
+import io
+import math
+import pathlib
+import re
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchstruct as ts
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+README = DOCS.parent / "README.md"
+
+
+def doc_text():
+    return "\n".join(p.read_text(encoding="utf-8") for p in sorted(DOCS.glob("*.md")))
+
+
+def seq():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 3), nn.LayerNorm(3), nn.Linear(3, 1))
+
+
+def flags(m):
+    return [p.requires_grad for p in m.parameters()]
+
+
+def tied():
+    emb = nn.Embedding(10, 4)
+    out = nn.Linear(4, 10, bias=False)
+    out.weight = emb.weight
+    return nn.ModuleDict({"emb": emb, "out": out})
+
+
+def raises_naming(exc, *names):
+    """pytest.raises that also checks each name appears quoted in the message."""
+    class _Ctx:
+        def __enter__(self):
+            self.cm = pytest.raises(exc)
+            self.info = self.cm.__enter__()
+            return self.info
+
+        def __exit__(self, *a):
+            out = self.cm.__exit__(*a)
+            msg = str(self.info.value)
+            for n in names:
+                assert n in msg, f"{n!r} not in {msg!r}"
+            return out
+    return _Ctx()
+
+
+# ---------------------------------------------------------------------------------------------
+# cross-references: names, signatures, every public name documented
+# ---------------------------------------------------------------------------------------------
+
+def public_names():
+    names = [n for n in dir(ts) if not n.startswith("_") and not inspect.ismodule(getattr(ts, n))]
+    names += [f"tree.{n}" for n in ts.tree.__all__]
+    names += [f"optim.{n}" for n in ts.optim.__all__]
+    return names
+
+
+@pytest.mark.parametrize("name", public_names())
+def test_every_public_name_is_named_in_the_docs(name):
+    # brief: every public name is documented somewhere in docs/ (by name, not only through a
+    # generated `::: module` directive)
+    short = name.split(".")[-1]
+    assert re.search(rf"\b{re.escape(short)}\b", doc_text()), name
+
+
+@pytest.mark.parametrize("call, params", [
+    # docs/selecting.md: "ts.select(model, *selectors, strict=True)"
+    (ts.select, ["model", "selectors", "strict"]),
+    # docs/groups.md table: "ts.param_groups(model, *rules, weight_decay=None, no_decay="auto",
+    # strict=True)" and "ts.layer_decay(model, decay, *, layers=None)"
+    (ts.param_groups, ["model", "rules", "weight_decay", "no_decay", "strict"]),
+    (ts.layer_decay, ["model", "decay", "layers"]),
+    # docs/clipping.md: "ts.clip_by_global_norm(params, max_norm, norm_type=2.0,
+    # error_if_nonfinite=False)" ("foreach= is accepted and ignored")
+    (ts.clip_by_global_norm, ["params", "max_norm", "norm_type", "error_if_nonfinite", "foreach"]),
+    (ts.clip_grad_norm_, ["params", "max_norm", "norm_type", "error_if_nonfinite", "foreach"]),
+    # docs/checkpoint.md: "ts.load_state_dict(model, state, *, strict=True, buffers=True)"
+    (ts.load_state_dict, ["model", "state", "strict", "buffers"]),
+    (ts.state_dict, ["model", "buffers"]),
+    # docs/structural.md: "ts.value_and_grad(fn, model, *args, has_aux=False, wrt=None)"
+    (ts.value_and_grad, ["fn", "model", "args", "has_aux", "wrt"]),
+    (ts.structural_grad, ["model", "loss", "wrt", "retain_graph", "create_graph"]),
+    # docs/structural.md: "ts.map_trainable(f, model, *trees)", "ts.polyak_update(target,
+    # source, tau)"
+    (ts.map_trainable, ["f", "model", "trees"]),
+    (ts.polyak_update, ["target", "source", "tau"]),
+    # docs/schedule.md: "ts.UnfreezeSchedule(model, milestones)", "with strict=True"
+    (ts.UnfreezeSchedule, ["model", "milestones", "strict", "freeze_norm_stats"]),
+    # docs/freezing.md: "ts.attach(module, freeze_norm_stats=False)", "max_depth"
+    (ts.attach, ["model", "freeze_norm_stats"]),
+    (ts.summary, ["model", "max_depth"]),
+    (ts.freeze, ["model", "selectors", "strict", "freeze_norm_stats"]),
+    (ts.freeze_except, ["model", "selectors", "strict", "freeze_norm_stats"]),
+    (ts.unfreeze, ["model", "selectors", "strict", "freeze_norm_stats"]),
+    # docs/trees.md: "ts.tree.map(f, tree, *rest)", "from_module ... buffers=True"
+    (ts.tree.map, ["f", "tree", "rest"]),
+    (ts.tree.from_module, ["model", "buffers"]),
+])
+def test_documented_signatures(call, params):
+    sig = inspect.signature(call)
+    assert [p for p in params if p not in sig.parameters] == []
+
+
+def test_optimizer_signatures_as_documented():
+    # docs/optimizers.md text block: SGD(params, lr=1e-3, momentum=0, dampening=0,
+    # weight_decay=0, nesterov=False, *, maximize=False, masks=None, max_grad_norm=None,
+    # norm_type=2.0); AdamW(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2,
+    # amsgrad=False, *, ...)
+    sgd = inspect.signature(ts.optim.SGD).parameters
+    assert (sgd["lr"].default, sgd["momentum"].default, sgd["dampening"].default,
+            sgd["weight_decay"].default, sgd["nesterov"].default) == (1e-3, 0, 0, 0, False)
+    adamw = inspect.signature(ts.optim.AdamW).parameters
+    assert (adamw["lr"].default, adamw["betas"].default, adamw["eps"].default,
+            adamw["weight_decay"].default, adamw["amsgrad"].default) == (
+                1e-3, (0.9, 0.999), 1e-8, 1e-2, False)
+    for p in ("maximize", "masks", "max_grad_norm", "norm_type"):
+        assert sgd[p].kind is inspect.Parameter.KEYWORD_ONLY
+        assert adamw[p].kind is inspect.Parameter.KEYWORD_ONLY
+    assert adamw["norm_type"].default == 2.0 and adamw["max_grad_norm"].default is None
+
+
+def test_lower_level_ops_named_by_the_docs_exist():
+    # docs/clipping.md: "torchstruct._ops.clip_by_global_norm_(grads, max_norm, norm_type)" and
+    # "torchstruct._ops.scale_(tensors, scale)"; docs/api.md: "compiled_device_types()",
+    # "use_backend(name)"
+    from torchstruct import _ops
+    g = [torch.tensor([3.0, 4.0])]
+    assert float(_ops.clip_by_global_norm_(g, 1.0, 2.0)) == 5.0
+    t = [torch.ones(2)]
+    _ops.scale_(t, torch.tensor(2.0))
+    assert torch.equal(t[0], torch.full((2,), 2.0))
+    assert isinstance(_ops.compiled_device_types(), (list, tuple, set, frozenset))
+    assert callable(_ops.use_backend)
+
+
+def test_files_named_by_the_docs_exist():
+    # docs/index.md and docs/performance.md name files of the repository
+    root = DOCS.parent
+    for f in ("torchstruct/select.py", "torchstruct/_state.py", "torchstruct/_reference.py",
+              "torchstruct/_dtensor.py", "benchmarks/bench_structural_grad.py",
+              "benchmarks/RESULTS.md", "examples/finetune.py", "tests/test_distributed.py",
+              "tests/test_fsdp.py", "tests/test_compile.py", "tests/test_compiled_step.py",
+              "tests/test_amp.py", "run.sh"):
+        assert (root / f).exists(), f
+    for name in ("bench_clip",):
+        assert (root / "benchmarks" / f"{name}.py").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/selecting.md
+# ---------------------------------------------------------------------------------------------
+
+def test_select_glob_is_case_sensitive():
+    # "glob (`fnmatch`, case-sensitive) over parameter paths and module paths"
+    m = seq()
+    with pytest.raises(ValueError):
+        ts.select(m, "0.WEIGHT")
+    assert ts.select(m, "0.WEIGHT", strict=False) == []
+
+
+def test_select_regex_fullmatches_parameter_paths_only():
+    # "`re.compile(...)`: parameters whose path the regex `fullmatch`es" (not module paths, not
+    # a prefix search)
+    m = seq()
+    assert ts.select(m, re.compile(r"0"), strict=False) == []
+    assert [p for p, _ in ts.select(m, re.compile(r"0\.w"), strict=False)] == []
+    assert [p for p, _ in ts.select(m, re.compile(r"0\..*"))] == ["0.weight", "0.bias"]
+
+
+def test_select_returns_named_parameters_order_whatever_the_selector_order():
+    # "returns `(path, parameter)` pairs in `named_parameters()` order"
+    m = seq()
+    assert [p for p, _ in ts.select(m, "2.bias", "0")] == ["0.weight", "0.bias", "2.bias"]
+    assert [p for p, _ in ts.select(m, "0", "0.weight")] == ["0.weight", "0.bias"]
+
+
+def test_select_regex_matching_nothing_raises_naming_closest():
+    # "A string or regex that matches nothing raises `ValueError` naming the closest existing
+    # paths"
+    with raises_naming(ValueError, "'2.weight'"):
+        ts.select(seq(), re.compile(r"2\.wieght"))
+
+
+def test_select_foreign_module_or_parameter_raises():
+    # "A module or parameter that is not part of the model is an error too"
+    m = seq()
+    with pytest.raises(ValueError):
+        ts.select(m, nn.Linear(2, 2))
+    with pytest.raises(ValueError):
+        ts.select(m, nn.Parameter(torch.zeros(1)))
+
+
+def test_select_callable_matching_nothing_is_empty_not_an_error():
+    # "A callable that matches nothing is not an error: it is a predicate, not a name."
+    assert ts.select(seq(), lambda path, p: False) == []
+
+
+def test_select_parameterless_module_name_raises_and_strict_false_allows_it():
+    # "so is a name or module object that selects only modules without parameters"
+    m = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+    with pytest.raises(ValueError):
+        ts.select(m, "1")
+    with pytest.raises(ValueError):
+        ts.select(m, m[1])
+    assert ts.select(m, "1", strict=False) == []
+    before = flags(m)
+    with pytest.raises(ValueError):
+        ts.freeze_except(m, "1")
+    assert flags(m) == before
+
+
+def test_select_tied_by_later_path_and_by_regex():
+    # "it is selected when any of its paths is selected, and it is returned once, at its first
+    # path"
+    t = tied()
+    assert [p for p, _ in ts.select(t, "out.weight")] == ["emb.weight"]
+    assert [p for p, _ in ts.select(t, re.compile(r"out\.weight"))] == ["emb.weight"]
+    assert [p for p, _ in ts.select(t, lambda path, p: path == "out.weight")] == ["emb.weight"]
+    assert [p for p, _ in ts.select(t, "emb", "out")] == ["emb.weight"]
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/freezing.md
+# ---------------------------------------------------------------------------------------------
+
+def test_declaration_is_not_overridden_by_unfreeze():
+    # "A declaration only ever turns flags off, and no context overrides it (`unfreeze`
+    # included)"
+    lin = nn.Linear(2, 2)
+    ts.mark_trainable(lin, "bias")
+    with ts.unfreeze(lin):
+        assert flags(lin) == [False, True]
+        assert not ts.is_trainable(lin, "weight")
+    ts.mark_trainable(lin, None)
+    assert flags(lin) == [True, True]
+
+
+def test_trainable_parameters_tied_once_and_is_trainable_by_any_path():
+    # "`ts.trainable_parameters(model)` yields `(path, param)` for all of them, tied parameters
+    # once"; "`ts.is_trainable(model, path_or_param)` answers for one parameter"
+    t = tied()
+    assert [p for p, _ in ts.trainable_parameters(t)] == ["emb.weight"]
+    with ts.freeze(t, "out"):
+        assert not ts.is_trainable(t, "emb.weight") and not ts.is_trainable(t, "out.weight")
+        assert not ts.is_trainable(t, t.emb.weight)
+    with raises_naming(ValueError, "'out.weight'"):
+        ts.is_trainable(t, "out.wieght")
+
+
+def test_bad_input_to_contexts_changes_nothing():
+    # "Bad input (an unknown selector, a module that is not part of the model, an empty list
+    # of selectors) raises before anything changes: `ts.freeze_except(m, [])` never freezes
+    # the whole model silently."
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    for bad in ((["0", "nope"],), ("0", nn.Linear(1, 1)), ([],)):
+        for ctx in (ts.freeze, ts.freeze_except, ts.unfreeze):
+            with pytest.raises((ValueError, TypeError)):
+                ctx(m, *bad)
+            assert flags(m) == [True] * 4
+
+
+def test_reading_installs_no_hook_on_a_model_never_attached():
+    # "Reading changes nothing. ... they install no hook and write no flag"; "A model
+    # torchstruct never attached stays plain PyTorch"; summary "is read-only"
+    m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    list(ts.trainable_parameters(m))
+    ts.is_trainable(m, "0.weight")
+    str(ts.summary(m))
+    assert all(not mod._forward_pre_hooks and not mod._forward_hooks for mod in m.modules())
+
+
+def test_detach_hooks_removes_every_hook():
+    # "`ts.detach_hooks(model)` removes every hook."
+    m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    with ts.freeze(m, "1"):
+        m(torch.randn(4, 2))
+    ts.detach_hooks(m)
+    for mod in m.modules():
+        assert not mod._forward_pre_hooks and not mod._forward_hooks, mod
+    assert m.__class__ is nn.Sequential
+
+
+def test_attach_returns_the_model():
+    # docs/coming_from.md: "a = ts.attach(Adapter())"
+    m = nn.Linear(2, 2)
+    assert ts.attach(m) is m
+    ts.detach_hooks(m)
+
+
+def test_async_generator_decorator_raises_type_error():
+    # "Decorating an async generator function raises `TypeError`"
+    m = nn.Linear(2, 2)
+
+    async def agen():
+        yield 1
+
+    with pytest.raises(TypeError):
+        ts.freeze(m)(agen)
+
+
+def test_async_function_decorator_applies_around_resumptions():
+    # "An `async def` function ... the context applies while its body runs, around each
+    # resumption, so other tasks running between its `await`s see the flags as they are
+    # outside it."
+    m = nn.Linear(2, 2)
+    seen = []
+
+    @ts.freeze(m)
+    async def body():
+        seen.append(m.weight.requires_grad)
+        await asyncio.sleep(0)
+        seen.append(m.weight.requires_grad)
+
+    async def other():
+        await asyncio.sleep(0)
+        seen.append(("other", m.weight.requires_grad))
+
+    async def main():
+        await asyncio.gather(body(), other())
+
+    asyncio.run(main())
+    assert seen[0] is False and ("other", True) in seen and m.weight.requires_grad
+
+
+def test_summary_max_depth_zero_shows_root_only():
+    # "`max_depth` hides deeper rows ...: `0` shows the root only"
+    m = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+    s = ts.summary(m, max_depth=0)
+    assert len(s.rows) == 1 and s.counts == (12, 12)
+
+
+def test_bare_context_returns_object_with_exit():
+    # "A bare call returns the context object; `ctx.__exit__(None, None, None)` lifts it later."
+    m = nn.Linear(2, 2)
+    ctx = ts.freeze(m)
+    assert isinstance(ctx, ts.freeze) and not m.weight.requires_grad
+    ctx.__exit__(None, None, None)
+    assert m.weight.requires_grad
+
+
+def test_restored_flags_warning_is_a_warning():
+    # "a `ts.RestoredFlagsWarning` names the parameters the exit turns back on"
+    assert issubclass(ts.RestoredFlagsWarning, Warning)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/trees.md
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fn", [ts.tree.paths, ts.tree.leaves, ts.tree.to_flat_dict,
+                                ts.tree.flatten, lambda t: ts.tree.map(lambda x: x, t)])
+def test_tree_key_and_leaf_rules(fn):
+    # docs/trees.md said "Keys are non-empty strings without "." (else `ValueError` naming the
+    # key)"; the code (and ts.tree's module docstring) takes a dotted key as the nested keys it
+    # joins, which docs/index.md promises ("a flat dict keyed by dotted paths is taken too").
+    # The page now says so; checked here: dotted keys are paths, an empty component or a
+    # duplicate path raises ValueError naming the key, a non-tensor leaf raises TypeError
+    # naming its path, a non-dict root raises TypeError.
+    assert ts.tree.leaves({"x": {"a.b": torch.ones(1)}})[0].shape == (1,)
+    with raises_naming(ValueError, "'a..b'"):
+        fn({"x": {"a..b": torch.ones(1)}})
+    with pytest.raises(ValueError):
+        fn({"": torch.ones(1)})
+    with raises_naming(ValueError, "'a.b'"):
+        fn({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}})
+    with raises_naming(TypeError, "x.y"):
+        fn({"x": {"y": [1.0]}})
+    with raises_naming(TypeError, "x.y"):
+        fn({"x": {"y": 3}})
+    with pytest.raises(TypeError):
+        fn([torch.ones(1)])
+
+
+def test_tree_paths_docstring_on_dotted_keys():
+    # ts.tree.paths's docstring: "Raises: ValueError: a key is not a non-empty string without
+    # "."" -- a dotted key is accepted (a flat dict), as the module docstring says.
+    assert ts.tree.paths({"a.b": torch.ones(1)}) == ["a.b"]
+
+
+def test_tree_none_leaf_is_absent_and_builders_create_no_empty_dicts():
+    # "A `None` leaf means *absent* ... Empty dicts hold no leaves; functions that build trees
+    # never create them."
+    t = {"a": {"x": None}, "b": torch.ones(1)}
+    assert ts.tree.paths(t) == ["b"]
+    assert ts.tree.to_flat_dict(t) == {"b": t["b"]}
+    assert ts.tree.from_flat_dict([("a.x", None), ("b", t["b"])]) == {"b": t["b"]}
+    assert ts.tree.map(lambda x: x, t) == {"b": t["b"]}
+    assert ts.tree.reduce(lambda acc, x: acc + 1, t, 0) == 1
+    vec, spec = ts.tree.flatten(t)
+    assert spec.paths == ("b",)
+
+
+def test_tree_map_rest_must_have_same_paths():
+    # "The trees in `rest` must have exactly the same paths ...; otherwise `ValueError` names
+    # the first missing or extra path."
+    a = {"x": torch.ones(1)}
+    with raises_naming(ValueError, "'y'"):
+        ts.tree.map(torch.add, a, {"x": torch.ones(1), "y": torch.ones(1)})
+    with raises_naming(ValueError, "'x'"):
+        ts.tree.map(torch.add, a, {"x": None})
+
+
+def test_tree_flatten_empty_and_promotion():
+    # "an empty tree gives an empty float32 vector"; "int64 + fp32 gives fp32"
+    vec, spec = ts.tree.flatten({})
+    assert vec.dtype == torch.float32 and vec.shape == (0,) and spec.numel == 0
+    vec, _ = ts.tree.flatten({"i": torch.tensor([1]), "f": torch.tensor([0.5])})
+    assert vec.dtype == torch.float32
+
+
+def test_tree_flatten_devices_and_sparse():
+    # "All leaves must be on one device, else `ValueError` names two paths and their devices;
+    # a sparse leaf ... raises `TypeError` naming its path."
+    with raises_naming(ValueError, "a", "b", "meta"):
+        ts.tree.flatten({"a": torch.ones(1), "b": torch.ones(1, device="meta")})
+    with raises_naming(TypeError, "s"):
+        ts.tree.flatten({"s": torch.eye(2).to_sparse()})
+
+
+def test_tree_flatten_is_differentiable():
+    # "The vector is a `torch.cat` of the leaves, so it is differentiable with respect to them."
+    w = torch.ones(2, requires_grad=True)
+    vec, _ = ts.tree.flatten({"w": w})
+    vec.sum().backward()
+    assert torch.equal(w.grad, torch.ones(2))
+
+
+def test_tree_unflatten_view_when_dtypes_agree_and_shape_errors():
+    # "a view of the vector when the dtypes agree, a copy otherwise"; "A vector that is not
+    # 1-D ... raises `ValueError` giving both numbers"
+    vec, spec = ts.tree.flatten({"a": torch.ones(2, 2), "b": torch.zeros(3)})
+    back = ts.tree.unflatten(vec, spec)
+    assert back["a"].data_ptr() == vec.data_ptr()
+    with pytest.raises(ValueError):
+        ts.tree.unflatten(vec.reshape(7, 1), spec)
+
+
+def test_tree_spec_is_frozen():
+    # "`spec` is a frozen `ts.tree.TreeSpec`"
+    _, spec = ts.tree.flatten({"a": torch.ones(1)})
+    assert isinstance(spec, ts.tree.TreeSpec)
+    with pytest.raises(AttributeError):
+        spec.numel = 3
+    assert isinstance(spec.entries[0], ts.tree.LeafSpec)
+    assert spec.entries[0]._fields == ("path", "shape", "dtype", "offset", "alias_of") \
+        if hasattr(spec.entries[0], "_fields") else True
+
+
+def test_tree_from_module_buffers_follow_each_modules_parameters():
+    # docs/trees.md said "`buffers=True` adds the buffers after the parameters": in a nested
+    # tree a module's buffers sit in its own dict, after its parameters but before the next
+    # module's (depth-first order); the page now says so.
+    m = nn.Sequential(nn.BatchNorm1d(2), nn.Linear(2, 2))
+    paths = ts.tree.paths(ts.tree.from_module(m, buffers=True))
+    assert paths == ["0.weight", "0.bias", "0.running_mean", "0.running_var",
+                     "0.num_batches_tracked", "1.weight", "1.bias"]
+
+
+def test_index_flat_dicts_taken_wherever_trees_are():
+    # docs/index.md: "Wherever a tree ... is taken, a flat dict keyed by dotted paths is taken
+    # too (`{"0.weight": t}`): `swap`, `polyak_update`, `clip_by_global_norm`, `global_norm`,
+    # `map_trainable` and `ts.tree.*`."
+    net = nn.Sequential(nn.Linear(2, 2))
+    flat = {k: v.detach().clone() for k, v in net.named_parameters()}
+    x = torch.randn(3, 2)
+    with ts.swap(net, {"0.weight": torch.zeros(2, 2)}):
+        torch.testing.assert_close(net(x), net[0].bias.detach().expand(3, 2))
+    ts.polyak_update(net, flat, 0.5)
+    assert float(ts.global_norm({"0.weight": torch.tensor([3.0]), "0.bias": torch.tensor([4.0])})) == 5.0
+    g = {"0.weight": torch.ones(2, 2), "0.bias": torch.ones(2)}
+    ts.clip_by_global_norm(g, 1.0)
+    assert math.isclose(float(ts.global_norm(g)), 1.0, rel_tol=1e-4)
+    assert ts.tree.paths(ts.map_trainable(lambda p, t: t, net, flat)) == ["0.weight", "0.bias"]
+    assert ts.tree.paths(flat) == ["0.weight", "0.bias"]
+    assert ts.tree.paths(ts.tree.map(lambda t: t, flat)) == ["0.weight", "0.bias"]
