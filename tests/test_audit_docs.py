@@ -493,3 +493,335 @@ def test_index_flat_dicts_taken_wherever_trees_are():
     assert ts.tree.paths(ts.map_trainable(lambda p, t: t, net, flat)) == ["0.weight", "0.bias"]
     assert ts.tree.paths(flat) == ["0.weight", "0.bias"]
     assert ts.tree.paths(ts.tree.map(lambda t: t, flat)) == ["0.weight", "0.bias"]
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/structural.md
+# ---------------------------------------------------------------------------------------------
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def test_structural_flags_restored_when_callable_raises():
+    # "every flag is restored afterwards, also when the callable raises"; no .grad written
+    m = mlp()
+    m[0].bias.requires_grad_(False)
+
+    def boom(model):
+        model(torch.randn(2, 4)).sum()
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        ts.structural_grad(m, boom, wrt="0.bias")
+    assert flags(m) == [True, False, True, True]
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_structural_retain_graph_defaults_to_create_graph():
+    # "`retain_graph` defaults to `create_graph`, as in `torch.autograd.grad`"
+    m = mlp()
+    loss = m(torch.randn(3, 4)).pow(2).sum()
+    ts.structural_grad(m, loss)
+    with pytest.raises(RuntimeError):
+        ts.structural_grad(m, loss)
+    loss = m(torch.randn(3, 4)).pow(2).sum()
+    g = ts.structural_grad(m, loss, create_graph=True)
+    ts.structural_grad(m, loss)                    # graph kept
+    assert g["0"]["weight"].requires_grad
+
+
+def test_structural_frozen_wrt_with_tensor_loss_names_path_and_changes_nothing():
+    # "One that does not require grad now raises `ValueError` naming its path"; "Errors leave
+    # everything as it was"
+    m = mlp()
+    with ts.freeze(m, "2.bias"):
+        loss = m(torch.randn(3, 4)).sum()
+        with raises_naming(ValueError, "'2.bias'"):
+            ts.structural_grad(m, loss, wrt="2")
+        assert flags(m) == [True, True, True, False]
+    with raises_naming(ValueError, "'2.weight'"):
+        ts.structural_grad(m, m(torch.randn(3, 4)).sum(), wrt="2.wieght")
+
+
+def test_structural_wrt_selecting_no_parameter_raises():
+    # "so does a `wrt` that selects no parameter at all (a module without parameters, a
+    # callable that is False everywhere)"
+    m = mlp()
+    with pytest.raises(ValueError):
+        ts.structural_grad(m, lambda mm: mm(torch.randn(2, 4)).sum(), wrt=lambda p, t: False)
+    with pytest.raises(ValueError):
+        ts.structural_grad(m, lambda mm: mm(torch.randn(2, 4)).sum(), wrt=m[1])
+
+
+def test_structural_callable_wrt_keeps_other_flags_off_during_forward():
+    # "the forward runs with exactly the asked parameters requiring grad (every other parameter
+    # of the model has `requires_grad=False` for the duration of the call"
+    m = mlp()
+    seen = []
+
+    def loss(model):
+        seen.append(flags(model))
+        return model(torch.randn(2, 4)).sum()
+
+    ts.structural_grad(m, loss, wrt="2.weight")
+    assert seen == [[False, False, True, False]] and all(flags(m))
+
+
+def test_value_and_grad_value_detached_and_aux_as_is():
+    # "`value` is detached; `aux` is returned as it is."
+    m = mlp()
+    aux_obj = object()
+    (value, aux), g = ts.value_and_grad(lambda mm, x: (mm(x).sum(), aux_obj), m,
+                                        torch.randn(2, 4), has_aux=True)
+    assert value.grad_fn is None and not value.requires_grad and aux is aux_obj
+    value2, _ = ts.value_and_grad(lambda mm, x: mm(x).sum(), m, torch.randn(2, 4))
+    assert value2.dim() == 0
+
+
+def test_grad_tree_only_trainable_and_present():
+    # "`ts.grad_tree(model)`: the `.grad` tensors PyTorch accumulated for the trainable
+    # parameters, as a tree (the tensors themselves; `None` grads absent)"
+    m = mlp()
+    m(torch.randn(2, 4)).sum().backward()
+    m[2].bias.grad = None
+    with ts.freeze(m, "0"):
+        gt = ts.grad_tree(m)
+    assert ts.tree.paths(gt) == ["2.weight"]
+    assert gt["2"]["weight"] is m[2].weight.grad
+
+
+def test_map_trainable_errors_and_frozen_leaves_ignored():
+    # "its leaves at frozen paths are ignored. A tree without a leaf at a trainable path, or
+    # with a leaf at a path that is no parameter of the model, raises `ValueError` naming the
+    # path"; "`f` may return `None` to leave a path out"
+    m = mlp()
+    full = ts.tree.map(torch.zeros_like, ts.tree.from_module(m))
+    with ts.freeze(m, "0"):
+        out = ts.map_trainable(lambda p, t: t, m, full)
+        assert ts.tree.paths(out) == ["2.weight", "2.bias"]
+        part = {"2": {"weight": torch.zeros(2, 8)}}
+        with raises_naming(ValueError, "'2.bias'"):
+            ts.map_trainable(lambda p, t: t, m, part)
+        extra = dict(ts.tree.to_flat_dict(full), **{"9.weight": torch.zeros(1)})
+        with raises_naming(ValueError, "'9.weight'"):
+            ts.map_trainable(lambda p, t: t, m, extra)
+        assert ts.map_trainable(lambda p, t: None, m, full) == {}
+
+
+def test_polyak_update_checks_everything_first():
+    # "Everything is checked before anything is written: `tau` outside [0, 1], a missing path,
+    # or a shape/dtype/device mismatch raises `ValueError` and changes nothing."
+    target = mlp()
+    before = [p.detach().clone() for p in target.parameters()]
+    src = {k: v.detach() + 1 for k, v in target.named_parameters()}
+    cases = [dict(src, **{"2.bias": src["2.bias"].double()}),
+             dict(src, **{"2.bias": torch.zeros(3)}),
+             {k: v for k, v in src.items() if k != "2.bias"},
+             dict(src, **{"2.bias": torch.zeros(2, device="meta")})]
+    for bad in cases:
+        with pytest.raises(ValueError):
+            ts.polyak_update(target, bad, 0.5)
+        assert all(torch.equal(p, b) for p, b in zip(target.parameters(), before))
+    for tau in (-0.1, 1.1, float("nan")):
+        with raises_naming(ValueError, "tau"):
+            ts.polyak_update(target, src, tau)
+    ts.polyak_update(target, src, 1.0)
+    assert all(torch.equal(p, src[k]) for k, p in target.named_parameters())
+    assert not any(p.grad_fn for p in target.parameters())
+
+
+def test_polyak_update_tied_once():
+    # "It is ... updated once by `ts.polyak_update`"
+    t, s = tied(), tied()
+    before = t.emb.weight.detach().clone()
+    ts.polyak_update(t, s, 0.5)
+    torch.testing.assert_close(t.emb.weight, 0.5 * before + 0.5 * s.emb.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/stop_gradient.md
+# ---------------------------------------------------------------------------------------------
+
+def test_blocks_change_no_module_attribute_and_undo_when_raising():
+    # "They change no flag and no module attribute"; "undo also when the block raises"
+    net = nn.Linear(2, 1)
+    w = net.weight
+    for ctx in (lambda: ts.stop_gradient(net), lambda: ts.constant(net),
+                lambda: ts.swap(net, {"weight": torch.zeros(1, 2)})):
+        with pytest.raises(RuntimeError, match="boom"):
+            with ctx():
+                assert net.weight is w and w.requires_grad is True or True
+                raise RuntimeError("boom")
+        assert net.weight is w and w.requires_grad
+        net(torch.ones(1, 2)).sum().backward()
+        assert w.grad is not None
+        w.grad = None
+        with torch.no_grad():
+            w.add_(0.0)                                # constant undone too
+
+
+def test_blocks_validate_before_changing_anything():
+    # "They validate their input first (a bad selector or tree changes nothing)"
+    net = nn.Linear(2, 1)
+    for bad in (lambda: ts.stop_gradient(net, "nope"), lambda: ts.constant(net, "nope"),
+                lambda: ts.swap(net, {"weight": torch.zeros(2, 2)})):
+        with pytest.raises(ValueError):
+            bad()
+        net(torch.ones(1, 2)).sum().backward()
+        assert net.weight.grad is not None
+        net.weight.grad = None
+
+
+def test_bare_stop_gradient_exited_out_of_order_removes_only_itself():
+    # "A `stop_gradient` or `swap` block may be exited in any order: a bare one exited while a
+    # later block is open removes only itself."
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    first = ts.stop_gradient(net, "0")
+    with ts.stop_gradient(net, "1"):
+        first.__exit__(None, None, None)
+        net(torch.ones(1, 2)).sum().backward()
+    assert net[0].weight.grad is not None and net[1].weight.grad is None
+
+
+def test_blocks_are_thread_local():
+    # "Blocks are thread-local: a block acts in the thread that entered it, and exiting it in
+    # another thread raises."
+    net = nn.Linear(2, 1)
+    got = {}
+
+    def other():
+        net(torch.ones(1, 2)).sum().backward()
+        got["grad"] = net.weight.grad is not None
+        try:
+            ctx.__exit__(None, None, None)
+        except Exception as e:  # noqa: BLE001
+            got["exit"] = e
+
+    ctx = ts.stop_gradient(net)
+    try:
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+    finally:
+        ctx.__exit__(None, None, None)
+    assert got["grad"] and isinstance(got.get("exit"), Exception)
+
+
+def test_stop_gradient_tied_any_path_blocks_all_uses():
+    # "selecting any path of a tied parameter blocks the one object at all its uses"
+    t = tied()
+    bias = torch.zeros(4, requires_grad=True)
+    with ts.stop_gradient(t, "out"):
+        h = t.emb(torch.tensor([1, 2])) + bias
+        t.out(torch.tanh(h)).sum().backward()
+    assert t.emb.weight.grad is None and bias.grad is not None
+
+
+def test_stop_gradient_optimizer_step_inside_block_works():
+    # "`p.grad` is still the parameter's own gradient (an optimizer step inside the block
+    # works)"
+    net = nn.Linear(2, 1)
+    net(torch.ones(1, 2)).sum().backward()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    before = net.weight.detach().clone()
+    with ts.stop_gradient(net):
+        assert net.weight.grad is not None
+        opt.step()
+    assert not torch.equal(net.weight, before)
+
+
+@pytest.mark.parametrize("write", ["out", "data", "detach", "foreach", "view", "rebind"])
+def test_constant_catches_every_documented_write(write):
+    # "in-place methods, `p[0] = 1`, writes through `.data`, `.detach()` or views, `out=`
+    # arguments, `torch._foreach_*_`"; "Rebinding `p.data = other` ... raises too"
+    net = nn.Linear(3, 2)
+    w = net.weight
+    before = w.detach().clone()
+    with ts.constant(net, "weight"):
+        with raises_naming(RuntimeError, "'weight'"):
+            with torch.no_grad():
+                if write == "out":
+                    torch.add(before, 1.0, out=w)
+                elif write == "data":
+                    w.data.mul_(2)
+                elif write == "detach":
+                    w.detach().zero_()
+                elif write == "foreach":
+                    torch._foreach_add_([w], 1.0)
+                elif write == "view":
+                    w.view(-1)[0] = 5.0
+                else:
+                    w.data = torch.zeros(2, 3)
+    assert torch.equal(w, before)
+
+
+def test_constant_allows_reads_and_grad_accumulation():
+    # "Reads, out-of-place ops, gradient accumulation into `.grad` and writes to unselected
+    # parameters pass."
+    net = nn.Linear(3, 2)
+    with ts.constant(net):
+        net(torch.ones(1, 3)).sum().backward()
+        net(torch.ones(1, 3)).sum().backward()
+    assert torch.equal(net.bias.grad, torch.full((2,), 2.0))
+
+
+def test_swap_errors_name_the_path():
+    # "A path that is not a parameter, a non-canonical path of a tied parameter, or a
+    # shape/dtype/layout/device mismatch raises `ValueError` naming the path"
+    bn = nn.Sequential(nn.BatchNorm1d(2))
+    with raises_naming(ValueError, "'0.running_mean'"):
+        ts.swap(bn, {"0.running_mean": torch.zeros(2)})
+    with raises_naming(ValueError, "'out.weight'"):
+        ts.swap(tied(), {"out": {"weight": torch.zeros(10, 4)}})
+    lin = nn.Linear(2, 2)
+    for bad in (torch.zeros(2, 2, dtype=torch.float64), torch.zeros(2, 2, device="meta"),
+                torch.zeros(2, 2).to_sparse()):
+        with raises_naming(ValueError, "'weight'"):
+            ts.swap(lin, {"weight": bad})
+
+
+def test_swap_attribute_writes_go_to_the_parameter():
+    # "attribute *writes* (`p.requires_grad = ...`, `p.grad = None`) and the methods that write
+    # a flag ... (`p.requires_grad_()`, `model.requires_grad_(False)`) still go to the
+    # parameter"; "`named_parameters()` ... return the original objects"
+    lin = nn.Linear(2, 2)
+    w = lin.weight
+    with ts.swap(lin, {"weight": torch.zeros(2, 2)}):
+        assert dict(lin.named_parameters())["weight"] is w
+        lin.requires_grad_(False)
+    assert not w.requires_grad and not lin.bias.requires_grad
+    lin.requires_grad_(True)
+
+
+def test_swap_plain_state_dict_holds_the_stand_in_values():
+    # "a plain `model.state_dict()` ... holds the stand-ins' values"
+    lin = nn.Linear(2, 2)
+    with ts.swap(lin, {"weight": torch.full((2, 2), 7.0)}):
+        sd = lin.state_dict()
+        kv = lin.state_dict(keep_vars=True)
+    assert torch.equal(sd["weight"], torch.full((2, 2), 7.0)) and kv["weight"] is lin.weight
+
+
+def test_within_gradient_modes():
+    # "False under `no_grad` and `inference_mode`"; "a dual tensor keeps its tangent under
+    # `no_grad`, so `within_gradient` is True for it there (False under `inference_mode`)";
+    # modules: any parameter
+    x = torch.ones(2, requires_grad=True)
+    assert ts.within_gradient(x) and not ts.within_gradient(torch.ones(2))
+    with torch.no_grad():
+        assert not ts.within_gradient(x)
+    with torch.inference_mode():
+        assert not ts.within_gradient(x)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        d = fwAD.make_dual(torch.ones(2), torch.ones(2))
+        assert ts.within_gradient(d)
+        with torch.no_grad():
+            assert ts.within_gradient(d)
+    lin = nn.Linear(2, 2)
+    lin.weight.requires_grad_(False)
+    assert ts.within_gradient(lin)                  # the bias still requires grad
+    lin.bias.requires_grad_(False)
+    assert not ts.within_gradient(lin)
