@@ -825,3 +825,287 @@ def test_within_gradient_modes():
     assert ts.within_gradient(lin)                  # the bias still requires grad
     lin.bias.requires_grad_(False)
     assert not ts.within_gradient(lin)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/clipping.md
+# ---------------------------------------------------------------------------------------------
+
+def holders(grads):
+    hs = []
+    for g in grads:
+        h = nn.Parameter(torch.zeros_like(g))
+        h.grad = g.clone()
+        hs.append(h)
+    return hs
+
+
+def test_clip_foreach_accepted_and_ignored():
+    # "`foreach=` is accepted and ignored"
+    for foreach in (True, False, None):
+        hs = holders([torch.tensor([3.0, 4.0])])
+        assert float(ts.clip_by_global_norm(hs, 1.0, foreach=foreach)) == 5.0
+
+
+def test_clip_parameter_listed_twice_counted_and_scaled_twice():
+    # "a parameter listed twice is counted twice and scaled twice", "exactly as
+    # `clip_grad_norm_` takes it"
+    ours, theirs = holders([torch.tensor([3.0, 4.0])]), holders([torch.tensor([3.0, 4.0])])
+    a = ts.clip_by_global_norm([ours[0], ours[0]], 1.0)
+    b = torch.nn.utils.clip_grad_norm_([theirs[0], theirs[0]], 1.0)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(ours[0].grad, theirs[0].grad)
+
+
+def test_clip_tree_tensor_at_two_paths_once():
+    # "a tree ...: its leaf tensors themselves, in place; a tensor held at several paths once"
+    g = torch.tensor([3.0, 4.0])
+    total = ts.clip_by_global_norm({"a": g, "b": g, "c": None}, 1.0)
+    assert float(total) == 5.0
+    torch.testing.assert_close(g, torch.tensor([0.6, 0.8]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [1.0, 3.0, 0.5, float("inf")])
+def test_clip_norm_types_match_torch(p):
+    # "`norm_type`: 1, 2, `inf` or any p > 0"; "same returned total norm ..., same clipped
+    # gradients"
+    torch.manual_seed(0)
+    grads = [torch.randn(5), torch.randn(2, 3)]
+    ours, theirs = holders(grads), holders(grads)
+    a = ts.clip_by_global_norm(ours, 0.1, norm_type=p)
+    b = torch.nn.utils.clip_grad_norm_(theirs, 0.1, norm_type=p)
+    torch.testing.assert_close(a, b)
+    for h, t in zip(ours, theirs):
+        torch.testing.assert_close(h.grad, t.grad)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("nan")])
+def test_clip_bad_norm_type_is_value_error(bad):
+    # "`norm_type`: 1, 2, `inf` or any p > 0 (`ValueError` otherwise)"
+    hs = holders([torch.tensor([3.0, 4.0])])
+    with pytest.raises(ValueError):
+        ts.clip_by_global_norm(hs, 1.0, norm_type=bad)
+    assert torch.equal(hs[0].grad, torch.tensor([3.0, 4.0]))
+
+
+def test_clip_nan_max_norm_and_bad_entries():
+    # "`max_norm < 0` (or NaN): `ValueError`"; "Sparse gradients, integer or complex
+    # gradients, a non-tensor entry: `TypeError` naming the entry. A gradient whose elements
+    # share memory (an expanded tensor): `RuntimeError`." ... "all gradients are bitwise
+    # unchanged"
+    good = holders([torch.tensor([3.0, 4.0])])[0]
+    with pytest.raises(ValueError):
+        ts.clip_by_global_norm([good], float("nan"))
+    with pytest.raises(TypeError):
+        ts.clip_by_global_norm([good, 3.0], 1.0)
+    for bad_grad in (torch.tensor([1, 2]), torch.tensor([1j]), torch.eye(2).to_sparse()):
+        if bad_grad.is_complex():
+            p = nn.Parameter(torch.zeros(1, dtype=torch.complex64))
+        elif bad_grad.is_sparse:
+            p = nn.Parameter(torch.zeros(2, 2))
+        else:
+            p = torch.zeros(2, dtype=torch.int64)
+        p.grad = bad_grad
+        with pytest.raises(TypeError):
+            ts.clip_by_global_norm([good, p], 1.0)
+        assert torch.equal(good.grad, torch.tensor([3.0, 4.0]))
+    p = nn.Parameter(torch.zeros(2, 3))
+    p.grad = torch.ones(3).expand(2, 3)
+    with pytest.raises(RuntimeError):
+        ts.clip_by_global_norm([good, p], 1.0)
+    assert torch.equal(good.grad, torch.tensor([3.0, 4.0]))
+
+
+def test_clip_inf_norm_zeroes_finite_elements_as_torch():
+    # "an inf norm zeroes the finite elements" (as in torch)
+    ours = holders([torch.tensor([float("inf"), 1.0])])
+    theirs = holders([torch.tensor([float("inf"), 1.0])])
+    a = ts.clip_by_global_norm(ours, 1.0)
+    b = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+    assert math.isinf(float(a)) and math.isinf(float(b))
+    assert float(ours[0].grad[1]) == 0.0 == float(theirs[0].grad[1])
+
+
+def test_clip_returned_dtype_is_the_promotion():
+    # "fp16 alone gives fp16, fp16 with bf16 gives fp32"; fp64 accumulates in fp64
+    h = holders([torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.bfloat16)])
+    assert ts.clip_by_global_norm(h, 1.0).dtype == torch.float32
+    h = holders([torch.ones(2, dtype=torch.float16)])
+    assert ts.clip_by_global_norm(h, 1.0).dtype == torch.float16
+    h = holders([torch.ones(2, dtype=torch.float64), torch.ones(2)])
+    assert ts.clip_by_global_norm(h, 1.0).dtype == torch.float64
+
+
+def test_clip_inf_norm_of_empty_gradient_contributes_nothing():
+    # "torch refuses the inf-norm of an empty gradient; here it contributes nothing."
+    h = holders([torch.zeros(0), torch.tensor([2.0])])
+    assert float(ts.clip_by_global_norm(h, 10.0, norm_type=float("inf"))) == 2.0
+
+
+def test_clip_fp16_norm_overflow_exact_and_clipped():
+    # "when those per-tensor fp16 norms overflow ... here the total is exact (returned as
+    # `inf` if it does not fit in fp16 ...) and the gradients are clipped, not zeroed"
+    h = holders([torch.full((4,), 60000.0, dtype=torch.float16)])
+    total = ts.clip_by_global_norm(h, 1.0)
+    assert math.isinf(float(total))
+    assert float(h[0].grad.float().norm()) == pytest.approx(1.0, rel=1e-2)
+
+
+def test_global_norm_docstring_dtype_and_empty():
+    # global_norm's docstring: "A 0-dim tensor (float32, or float64 when any input is float64;
+    # fp16/bf16 accumulate in fp32) ...; `tensor(0.)` when there is nothing."
+    assert ts.global_norm([torch.ones(2, dtype=torch.float16)]).dtype == torch.float32
+    assert ts.global_norm([torch.ones(2, dtype=torch.float64)]).dtype == torch.float64
+    z = ts.global_norm([])
+    assert z.dim() == 0 and float(z) == 0.0
+    assert float(ts.global_norm({})) == 0.0
+
+
+def test_global_norm_of_module_reads_trainable_grads():
+    # README quick start / docs/coming_from.md: `ts.global_norm(model)` is the norm of the
+    # gradients of the trainable parameters, a tied one once
+    t = tied()
+    t.out(t.emb(torch.tensor([1, 2]))).sum().backward()
+    torch.testing.assert_close(ts.global_norm(t), t.emb.weight.grad.norm())
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/checkpoint.md
+# ---------------------------------------------------------------------------------------------
+
+def ck_model():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
+    m.register_buffer("scratch", torch.zeros(1), persistent=False)
+    return m
+
+
+def test_checkpoint_shares_storage_and_loads_with_plain_pytorch():
+    # "The tensors share storage with the model"; "the result also loads with plain
+    # `model.load_state_dict(state, strict=False)`"
+    m = ck_model()
+    ts.freeze(m, "0")
+    sd = ts.state_dict(m)
+    assert sd["2.weight"].data_ptr() == m[2].weight.data_ptr()
+    assert "0.weight" not in sd and "scratch" not in sd
+    fresh = ck_model()
+    res = fresh.load_state_dict({k: v + 1 for k, v in sd.items()}, strict=False)
+    assert res.unexpected_keys == []
+
+
+def test_checkpoint_load_checks_dtype_unknown_and_nonpersistent_keys():
+    # "every key is a path of a parameter ... or a persistent buffer"; "same shape and dtype
+    # ... (no silent cast)"; "All problems are listed in one `ValueError`"; nothing written
+    m = ck_model()
+    sd = {k: v.clone() + 1 for k, v in ts.state_dict(m).items()}
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    bad = dict(sd, **{"2.weight": sd["2.weight"].double(), "scratch": torch.zeros(1)})
+    with raises_naming(ValueError, "'2.weight'", "'scratch'"):
+        ts.load_state_dict(m, bad)
+    meta = dict(sd, **{"2.bias": torch.zeros(1, device="meta")})
+    with raises_naming(ValueError, "'2.bias'"):
+        ts.load_state_dict(m, meta)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def test_checkpoint_load_any_tied_path_and_returns_incompatible_keys():
+    # "any of a tied parameter's paths"; "It returns `IncompatibleKeys(missing_keys,
+    # unexpected_keys)`"; "Flags are not part of a checkpoint and are not touched"
+    t = tied()
+    ts.freeze(t, "emb")
+    got = ts.load_state_dict(t, {"out.weight": torch.ones(10, 4)}, strict=False)
+    assert torch.equal(t.emb.weight, torch.ones(10, 4))
+    assert got.missing_keys == [] and got.unexpected_keys == []
+    assert not t.emb.weight.requires_grad
+
+
+def test_checkpoint_strict_missing_key_raises_and_buffers_false():
+    # "with `strict=True`, every key that `ts.state_dict(model, buffers=buffers)` gives *now*
+    # must be present"; "A checkpoint saved with `buffers=False` loads with `buffers=False`."
+    m = ck_model()
+    sd = ts.state_dict(m)
+    with raises_naming(ValueError, "2.bias"):
+        ts.load_state_dict(m, {k: v for k, v in sd.items() if k != "2.bias"})
+    nob = ts.state_dict(m, buffers=False)
+    assert "1.running_mean" not in nob
+    with pytest.raises(ValueError):
+        ts.load_state_dict(m, nob)
+    ts.load_state_dict(m, nob, buffers=False)
+
+
+def test_checkpoint_parameterless_norm_buffers_in_and_container_buffers_out():
+    # "every normalization layer that tracks running statistics and has no parameters ... a
+    # container module's buffers are not"
+    m = nn.Sequential(nn.BatchNorm1d(2, affine=False), nn.Linear(2, 2))
+    m.register_buffer("step", torch.zeros(1))
+    keys = list(ts.state_dict(m))
+    assert "0.running_mean" in keys and "step" not in keys
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/schedule.md
+# ---------------------------------------------------------------------------------------------
+
+def sched_model():
+    return nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2), "head": nn.Linear(2, 1)})
+
+
+def test_schedule_no_milestone_at_zero_freezes_everything():
+    # "with no milestone at 0, everything is frozen until the first one"
+    m = sched_model()
+    s = ts.UnfreezeSchedule(m, {2: "head"})
+    assert not any(flags(m)) and s.stage == 0
+    s.step()
+    s.step()
+    assert [n for n, p in m.named_parameters() if p.requires_grad] == ["head.weight", "head.bias"]
+    s.close()
+    assert all(flags(m))
+
+
+def test_schedule_star_means_everything_and_selectors_none():
+    # "`None` or `"*"` means everything"; "`schedule.selectors` (what trains now: a tuple,
+    # `None` for everything)"; "`schedule.milestones` (the sorted steps)"
+    m = sched_model()
+    s = ts.UnfreezeSchedule(m, {3: "*", 0: "head"})
+    assert tuple(s.milestones) == (0, 3)
+    assert isinstance(s.selectors, tuple)
+    for _ in range(3):
+        s.step()
+    assert all(flags(m)) and s.selectors is None
+    s.close()
+
+
+def test_schedule_state_dict_shape_and_mismatched_milestones():
+    # "`state_dict()` is `{"step": ..., "milestones": [...]}`; `load_state_dict()` on a
+    # schedule built with the same milestones"
+    m = sched_model()
+    s = ts.UnfreezeSchedule(m, {0: "head", 2: "b"})
+    s.step()
+    assert s.state_dict() == {"step": 1, "milestones": [0, 2]}
+    before = flags(m)
+    with pytest.raises(ValueError):
+        s.load_state_dict({"step": 3, "milestones": [0, 5]})
+    assert flags(m) == before and s.current_step == 1
+    s.close()
+
+
+@pytest.mark.parametrize("bad", [{-1: "head"}, {1.5: "head"}, {"0": "head"}])
+def test_schedule_milestone_steps_are_integers_ge_zero(bad):
+    # "`milestones` maps a step (an integer >= 0) to selectors"
+    m = sched_model()
+    with pytest.raises((ValueError, TypeError)):
+        ts.UnfreezeSchedule(m, bad)
+    assert all(flags(m))
+
+
+def test_schedule_keeps_hand_frozen_after_none():
+    # "A parameter frozen by PEFT, by hand or by a declaration ... stays frozen even after
+    # `None`."
+    m = sched_model()
+    m["a"].bias.requires_grad_(False)
+    ts.mark_trainable(m["b"], "bias")
+    s = ts.UnfreezeSchedule(m, {0: "head", 1: None})
+    s.step()
+    assert [n for n, p in m.named_parameters() if not p.requires_grad] == ["a.bias", "b.weight"]
+    s.close()
+    ts.mark_trainable(m["b"], None)
