@@ -1109,3 +1109,326 @@ def test_schedule_keeps_hand_frozen_after_none():
     assert [n for n, p in m.named_parameters() if not p.requires_grad] == ["a.bias", "b.weight"]
     s.close()
     ts.mark_trainable(m["b"], None)
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/groups.md
+# ---------------------------------------------------------------------------------------------
+
+class GNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.encoder = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.head = nn.Linear(4, 2)
+
+
+def test_param_groups_every_parameter_once_frozen_and_tied_included():
+    # "Every parameter of the model lands in exactly one group"; "a tied parameter once";
+    # "frozen parameters too"; "Empty groups are left out"; "unique "name""
+    m = GNet()
+    m.head.weight = nn.Parameter(torch.zeros(2, 4))
+    m.out = nn.Linear(4, 10, bias=False)
+    m.out.weight = m.embed.weight
+    with ts.freeze(m, "encoder"):
+        groups = ts.param_groups(m, ("head", {"lr": 1.0}), ("out", {"lr": 2.0}))
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted({id(p) for p in m.parameters()}) and len(ids) == len(set(ids))
+    assert all(g["params"] for g in groups)
+    names = [g["name"] for g in groups]
+    assert len(names) == len(set(names))
+    by = {g["name"]: g["param_names"] for g in groups}
+    assert by["out"] == ["embed.weight"]              # a rule selecting any of its paths
+
+
+def test_param_groups_option_checks():
+    # "`params` / `param_names` are refused and a key that looks like a typo of a known one
+    # (`weight_decy`, `lr_scal`) raises; `lr`, `lr_scale` and `weight_decay` must be finite
+    # numbers `>= 0` (a one-element tensor ... is kept as given)"
+    m = GNet()
+    for bad in ({"params": []}, {"param_names": []}, {"weight_decy": 0.1}, {"lr_scal": 2.0},
+                {"lr": -1.0}, {"lr": float("nan")}, {"lr_scale": float("inf")},
+                {"weight_decay": -0.1}):
+        with pytest.raises(ValueError):
+            ts.param_groups(m, ("head", bad))
+    lr = torch.tensor(0.01)
+    g = ts.param_groups(m, ("head", {"lr": lr, "my_key": 3}))
+    assert g[0]["lr"] is lr and g[0]["my_key"] == 3
+
+
+def test_param_groups_weight_decay_none_leaves_the_key_out():
+    # "a part that decays (`weight_decay=` of the call, or the optimizer's default when
+    # `None`)"
+    g = ts.param_groups(GNet())
+    decaying = [x for x in g if "no decay" not in x["name"]]
+    assert decaying and all("weight_decay" not in x for x in decaying)
+    opt = torch.optim.AdamW(g, weight_decay=0.3)
+    assert opt.param_groups[0]["weight_decay"] == 0.3
+
+
+def test_no_decay_auto_biases_by_name():
+    # "biases: parameters whose last path component is `bias`, `*_bias` or `bias_*`
+    # (`nn.LSTM`'s `bias_ih_l0`, `nn.MultiheadAttention`'s `in_proj_bias`)"
+    m = nn.ModuleDict({"lstm": nn.LSTM(2, 2), "mha": nn.MultiheadAttention(4, 2)})
+    no = {n for g in ts.param_groups(m, weight_decay=0.1) if g["weight_decay"] == 0.0
+          for n in g["param_names"]}
+    assert no == {"lstm.bias_ih_l0", "lstm.bias_hh_l0", "mha.in_proj_bias", "mha.out_proj.bias"}
+
+
+@pytest.mark.parametrize("cls, norm", [
+    ("LlamaRMSNorm", True), ("T5LayerNorm", True), ("LayerNorm2d", True), ("GroupNorm32", True),
+    ("FrozenBatchNorm2d", True), ("NemotronLayerNorm1P", True), ("MambaRMSNormGated", True),
+    ("Normalize", False), ("NormLayer", False), ("Block", False)])
+def test_is_norm_by_class_name(cls, norm):
+    # "any class whose name ends in `Norm`, optionally followed by digits, `<digits>d`,
+    # `<digits>P` or `Gated`"
+    module = type(cls, (nn.Module,), {})()
+    assert ts.is_norm(module) is norm
+
+
+def test_is_norm_torch_classes_and_subclasses():
+    # "PyTorch's norm classes and their subclasses (`BatchNorm*`, `SyncBatchNorm`,
+    # `InstanceNorm*`, `LayerNorm`, `GroupNorm`, `LocalResponseNorm`, `RMSNorm`)"
+    for m in (nn.BatchNorm2d(2), nn.SyncBatchNorm(2), nn.InstanceNorm1d(2), nn.LayerNorm(2),
+              nn.GroupNorm(1, 2), nn.LocalResponseNorm(2), nn.RMSNorm(2),
+              type("MyLN", (nn.LayerNorm,), {})(2)):
+        assert ts.is_norm(m), m
+    assert not ts.is_norm(nn.Linear(2, 2))
+
+
+def test_no_decay_parametrized_bias_read_as_bias():
+    # "a parameter moved by `torch.nn.utils.parametrize` (`m.parametrizations.bias.original`)
+    # is read as the one it stands for (`m.bias`)"
+    import torch.nn.utils.parametrize as P
+
+    class Id(nn.Module):
+        def forward(self, x):
+            return x
+
+    m = nn.Sequential(nn.Linear(2, 2))
+    P.register_parametrization(m[0], "bias", Id())
+    no = {n for g in ts.param_groups(m, weight_decay=0.1) if g["weight_decay"] == 0.0
+          for n in g["param_names"]}
+    assert no == {"0.parametrizations.bias.original"}
+
+
+def test_no_weight_decay_str_refused_and_glob_relative():
+    # "a single str is refused rather than read letter by letter"; "glob patterns (`"*.gamma"`
+    # ...), relative to the module that defines it"
+    m = GNet()
+    m.encoder.no_weight_decay = lambda: "0"
+    with pytest.raises((TypeError, ValueError)):
+        ts.param_groups(m, weight_decay=0.1)
+    m.encoder.no_weight_decay = lambda: ["*.weight"]
+    no = {n for g in ts.param_groups(m, weight_decay=0.1) if g["weight_decay"] == 0.0
+          for n in g["param_names"]}
+    assert {"encoder.0.weight", "encoder.1.weight"} <= no and "head.weight" not in no
+
+
+def test_rule_with_weight_decay_not_split_and_no_decay_selector_strict():
+    # "A rule that sets `weight_decay` itself is not split"; "`no_decay=` a selector ... a
+    # selector that selects nothing raises unless `strict=False`"; "`no_decay=None` decays
+    # everything"
+    m = GNet()
+    g = ts.param_groups(m, ("head", {"weight_decay": 0.2}), weight_decay=0.1)
+    assert [x["name"] for x in g][0] == "head" and g[0]["param_names"] == ["head.weight", "head.bias"]
+    with pytest.raises(ValueError):
+        ts.param_groups(m, no_decay="nope")
+    ts.param_groups(m, no_decay="nope", strict=False)
+    assert [x["name"] for x in ts.param_groups(m, weight_decay=0.1, no_decay=None)] == ["default"]
+
+
+def test_rule_selecting_nothing_strict_false():
+    # "A rule that selects nothing raises ...; `strict=False` allows it."
+    m = GNet()
+    with pytest.raises(ValueError):
+        ts.param_groups(m, ("nope", {"lr": 1.0}))
+    assert ts.param_groups(m, ("nope", {"lr": 1.0}), strict=False)
+
+
+def test_add_param_group_from_param_groups():
+    # "e.g. `opt.add_param_group(ts.param_groups(new_part)[0])` or `{"params": [p],
+    # "param_names": ["new.weight"]}`"
+    m = GNet()
+    opt = ts.optim.AdamW(ts.param_groups(m), lr=1e-3)
+    opt.add_param_group(ts.param_groups(nn.Linear(2, 2))[0])
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))], "param_names": ["new.weight"]})
+    assert len(opt.param_groups) == 4               # default, default (no decay), two added
+
+
+def test_lr_scale_one_is_bitwise_plain_step():
+    # "`lr_scale=1` is bitwise the plain step"
+    torch.manual_seed(0)
+    a = nn.Linear(3, 3)
+    b = nn.Linear(3, 3)
+    b.load_state_dict(a.state_dict())
+    oa = ts.optim.AdamW([{"params": a.parameters(), "lr_scale": 1.0}], lr=1e-2)
+    ob = ts.optim.AdamW(b.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        for net, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            net(x).pow(2).sum().backward()
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_lr_scale_bad_value_later_raises_at_step_before_writing():
+    # "a bad value raises `ValueError` at construction, or at the next `step()` before
+    # anything is written"
+    lin = nn.Linear(2, 2)
+    with pytest.raises(ValueError):
+        ts.optim.SGD([{"params": lin.parameters(), "lr_scale": -1.0}], lr=0.1)
+    opt = ts.optim.SGD(lin.parameters(), lr=0.1)
+    lin(torch.ones(1, 2)).sum().backward()
+    before = [p.detach().clone() for p in lin.parameters()]
+    opt.param_groups[0]["lr_scale"] = float("nan")
+    with pytest.raises(ValueError):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(lin.parameters(), before))
+
+
+@pytest.mark.parametrize("decay", [0.0, -0.5, 1.5, float("nan")])
+def test_layer_decay_range(decay):
+    # "`decay` must be in (0, 1]."
+    m = nn.Sequential(nn.Embedding(3, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(ValueError):
+        ts.layer_decay(m, decay)
+
+
+def test_layer_decay_two_stacks_raise_naming_candidates_and_layers_argument():
+    # "two stacks side by side ... raises and asks for `layers=`, naming the candidates";
+    # "The stack is named with `layers=` (a path ..., or the module)"
+    m = nn.ModuleDict({"enc": nn.ModuleList(nn.Linear(2, 2) for _ in range(2)),
+                       "dec": nn.ModuleList(nn.Linear(2, 2) for _ in range(3))})
+    with raises_naming(ValueError, "layers=", "enc", "dec"):
+        ts.layer_decay(m, 0.5)
+    by_path = ts.layer_decay(m, 0.5, layers="dec")
+    by_module = ts.layer_decay(m, 0.5, layers=m["dec"])
+    assert [o for _, o in by_path] == [o for _, o in by_module]
+    # ids: enc (before the stack) 0, dec.0-2 1..3, nothing after it
+    assert [o["lr_scale"] for _, o in by_path] == [0.5 ** 4, 0.5 ** 3, 0.5 ** 2, 0.5]
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/optimizers.md
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("opt_cls", [ts.optim.SGD, ts.optim.AdamW])
+@pytest.mark.parametrize("flag", ["foreach", "fused"])
+def test_optim_foreach_fused_not_offered(opt_cls, flag):
+    # "**Not offered**: `foreach`, `fused`, `capturable`, `differentiable`": passing one is a
+    # TypeError naming it (not silently ignored, unlike clip_by_global_norm's foreach=)
+    with raises_naming(TypeError, flag):
+        opt_cls(nn.Linear(2, 2).parameters(), **{flag: True})
+
+
+def test_sgd_bitwise_with_torch_on_cpu():
+    # "SGD: bitwise on CPU"
+    torch.manual_seed(0)
+    a = nn.Linear(5, 3)
+    b = nn.Linear(5, 3)
+    b.load_state_dict(a.state_dict())
+    kw = dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01, maximize=True)
+    oa = ts.optim.SGD(a.parameters(), **kw)
+    ob = torch.optim.SGD(b.parameters(), foreach=False, **kw)
+    for _ in range(5):
+        x = torch.randn(4, 5)
+        for net, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            net(x).pow(2).sum().backward()
+            opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_optim_state_dict_interchangeable_with_torch():
+    # "A state dict saved by `torch.optim.AdamW` / `SGD` loads into these optimizers and the
+    # other way round"
+    lin = nn.Linear(2, 2)
+    t = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    lin(torch.ones(1, 2)).sum().backward()
+    t.step()
+    o = ts.optim.AdamW(lin.parameters(), lr=1e-2)
+    o.load_state_dict(t.state_dict())
+    o.step()
+    assert float(o.state[lin.weight]["step"]) == 2
+    back = torch.optim.AdamW(lin.parameters(), lr=1e-2)
+    back.load_state_dict(o.state_dict())
+    back.step()
+    assert float(back.state[lin.weight]["step"]) == 3
+
+
+def test_optim_negative_lr_set_later_and_max_grad_norm_written_later():
+    # "a negative `lr` (also one set later in a param group ...), a negative or NaN
+    # `max_grad_norm` (also one written later to `optimizer.max_grad_norm`, checked at
+    # `step()`)" leave everything as it was
+    lin = nn.Linear(2, 2)
+    lin(torch.ones(1, 2)).sum().backward()
+    before = [p.detach().clone() for p in lin.parameters()]
+    opt = ts.optim.AdamW(lin.parameters(), lr=1e-2)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError):
+        opt.step()
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.max_grad_norm = float("nan")
+    with pytest.raises(ValueError):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(lin.parameters(), before)) and not opt.state
+
+
+def test_optim_sparse_gradient_runtime_error_naming_parameter():
+    # "sparse gradients (a `RuntimeError` naming the parameter)"
+    emb = nn.Embedding(4, 2, sparse=True)
+    emb(torch.tensor([1])).sum().backward()
+    opt = ts.optim.SGD(emb.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+
+
+def test_optim_tied_stepped_once():
+    # "**Tied or repeated parameters** are stepped once per step"
+    t = tied()
+    opt = ts.optim.SGD([t.emb.weight, t.out.weight], lr=0.1)
+    t.out(t.emb(torch.tensor([1]))).sum().backward()
+    expected = t.emb.weight.detach() - 0.1 * t.emb.weight.grad
+    opt.step()
+    torch.testing.assert_close(t.emb.weight.detach(), expected)
+
+
+def test_optim_masks_by_path_and_set_mask_none():
+    # "Param groups that carry `param_names` (`ts.param_groups`, or `named_parameters()` given
+    # to the optimizer) let masks be keyed by path"; "`set_mask(param, mask)` sets or (with
+    # `None`) removes a mask later; `optimizer.masks` holds them."
+    lin = nn.Linear(2, 2)
+    mask = torch.tensor([[True, False], [False, False]])
+    opt = ts.optim.SGD(lin.named_parameters(), lr=0.1, masks={"weight": mask})
+    assert torch.equal(opt.masks[lin.weight], mask)
+    before = lin.weight.detach().clone()
+    lin(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert torch.equal(lin.weight[1], before[1]) and not torch.equal(lin.weight[0, 0], before[0, 0])
+    opt.set_mask("weight", None)
+    assert lin.weight not in opt.masks
+
+
+def test_optim_last_grad_norm_is_0dim_of_unclipped():
+    # "The total norm of the last step (of the unscaled gradients, as a 0-dim tensor) is
+    # `optimizer.last_grad_norm`"; "The gradients are never written."
+    lin = nn.Linear(2, 2)
+    opt = ts.optim.SGD(lin.parameters(), lr=0.1, max_grad_norm=1e-3)
+    lin(torch.ones(1, 2)).sum().backward()
+    grads = [p.grad.clone() for p in lin.parameters()]
+    opt.step()
+    assert opt.last_grad_norm.dim() == 0
+    torch.testing.assert_close(opt.last_grad_norm, ts.global_norm(grads))
+    assert all(torch.equal(p.grad, g) for p, g in zip(lin.parameters(), grads))
+
+
+def test_adamw_step_is_float32_tensor():
+    # "AdamW's `step` is a float32 tensor on the parameter's device"
+    lin = nn.Linear(2, 2)
+    opt = ts.optim.AdamW(lin.parameters())
+    lin(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    st = opt.state[lin.weight]["step"]
+    assert torch.is_tensor(st) and st.dtype == torch.float32 and st.device == lin.weight.device
