@@ -1432,3 +1432,289 @@ def test_adamw_step_is_float32_tensor():
     opt.step()
     st = opt.state[lin.weight]["step"]
     assert torch.is_tensor(st) and st.dtype == torch.float32 and st.device == lin.weight.device
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/coming_from.md
+# ---------------------------------------------------------------------------------------------
+
+def test_polyak_update_is_optax_incremental_update():
+    # "`ts.polyak_update` is `optax.incremental_update`": optax's
+    # incremental_update(new, old, step_size) = step_size * new + (1 - step_size) * old, with
+    # the target (old) first here: polyak_update(target=old, source=new, tau=step_size)
+    old, new = nn.Linear(2, 2), nn.Linear(2, 2)
+    o = [p.detach().clone() for p in old.parameters()]
+    ts.polyak_update(old, new, tau=0.25)
+    for p, q, n in zip(old.parameters(), o, new.parameters()):
+        torch.testing.assert_close(p.detach(), 0.25 * n.detach() + 0.75 * q)
+
+
+def test_fastai_freeze_to_negative_index():
+    # "`learn.freeze_to(n)` | `ts.freeze_except(model, *groups[n:])`": fastai's freeze_to(-2)
+    # trains the last two groups
+    net = nn.ModuleDict({"embed": nn.Linear(2, 2), "body": nn.Linear(2, 2), "head": nn.Linear(2, 2)})
+    groups = ["embed", "body", "head"]
+    with ts.freeze_except(net, *groups[-2:]):
+        assert [n for n, p in net.named_parameters() if p.requires_grad] == [
+            "body.weight", "body.bias", "head.weight", "head.bias"]
+
+
+def test_fastai_unfreeze_keeps_other_freezes():
+    # "leaving a context restores exactly the previous flags, so parameters frozen by
+    # something else (PEFT, a declaration) stay frozen"
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    net[0].bias.requires_grad_(False)
+    stage = ts.freeze_except(net, "1")
+    stage.__exit__(None, None, None)
+    assert flags(net) == [True, False, True, True]
+
+
+def test_lightning_freeze_row_flags_only():
+    # "`with ts.freeze(model):` (flags only; `model.eval()` is separate)"
+    net = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+    with ts.freeze(net):
+        assert net.training and net[1].training and not any(flags(net))
+
+
+def test_hf_trainer_decay_names_match_on_bert_gpt2_llama():
+    # "(`no_decay="auto"`: ...; the same parameters on BERT, GPT-2 and Llama)" and the row
+    # "`Trainer.get_decay_parameter_names(model)` | `[n for g in groups if g["weight_decay"] > 0
+    # for n in g["param_names"]]`"
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    models = [
+        transformers.BertModel(transformers.BertConfig(
+            vocab_size=20, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=8)),
+        transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_embd=8, n_head=2, vocab_size=20, n_positions=8)),
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=20, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=2)),
+    ]
+    for model in models:
+        groups = ts.param_groups(model, weight_decay=0.01)
+        ours = {n for g in groups if g["weight_decay"] > 0 for n in g["param_names"]}
+        by_obj = dict(model.named_parameters(remove_duplicate=False))
+        hf = transformers.Trainer.get_decay_parameter_names(None, model)
+        assert {id(by_obj[n]) for n in ours} == {id(by_obj[n]) for n in hf}, type(model).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+# docs/freezing.md: normalization statistics
+# ---------------------------------------------------------------------------------------------
+
+def test_norm_frozen_by_hand_keeps_updating():
+    # "A layer frozen by someone else (... your own `requires_grad_(False)`) is not
+    # torchstruct's: it keeps PyTorch's behaviour and updates its statistics in training mode."
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    ts.attach(net)
+    net[1].requires_grad_(False)
+    before = net[1].running_mean.clone()
+    with ts.freeze(net, "0"):
+        net(torch.randn(8, 3))
+    assert not torch.equal(net[1].running_mean, before)
+
+
+def test_norm_context_freeze_norm_stats_false_updates():
+    # "Pass `freeze_norm_stats=False` to a context ... to keep PyTorch's plain behaviour."
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    before = net[1].running_mean.clone()
+    with ts.freeze(net, freeze_norm_stats=False):
+        net(torch.randn(8, 3))
+    assert not torch.equal(net[1].running_mean, before)
+    before = net[1].running_mean.clone()
+    with ts.freeze(net):
+        net(torch.randn(8, 3))
+        assert net[1].training
+    assert torch.equal(net[1].running_mean, before) and net[1].training
+
+
+def test_norm_partly_frozen_layer_not_held():
+    # "While all parameters of a `BatchNorm*` ... are frozen" -- a layer with one parameter
+    # still trainable is not held
+    net = nn.Sequential(nn.BatchNorm1d(3))
+    before = net[0].running_mean.clone()
+    with ts.freeze(net, "0.weight"):
+        net(torch.randn(8, 3))
+    assert not torch.equal(net[0].running_mean, before)
+
+
+# ---------------------------------------------------------------------------------------------
+# README.md and docs/api.md
+# ---------------------------------------------------------------------------------------------
+
+def test_backend_values_and_device_forms():
+    # docs/api.md: "`ts.backend(device)` answers for one device (a `torch.device`, a string such
+    # as `"cuda:0"`, or a tensor)"
+    for d in (torch.device("cpu"), "cpu", torch.ones(1), None):
+        assert ts.backend(d) in ("compiled", "fallback", "reference")
+    assert ts.backend("cuda:0") in ("compiled", "fallback", "reference")
+
+
+def test_use_backend_restores_on_exit():
+    # docs/api.md: "`torchstruct._ops.use_backend(name)` switches inside a `with` block"
+    before = ts.backend()
+    with ts._ops.use_backend("reference"):
+        assert ts.backend() == "reference" and ts.backend("cpu") == "reference"
+        h = holders([torch.tensor([3.0, 4.0])])
+        assert float(ts.clip_by_global_norm(h, 1.0)) == 5.0
+    assert ts.backend() == before
+
+
+def test_readme_clip_grad_norm_alias():
+    # docs/index.md: "`clip_by_global_norm` (also spelled `ts.clip_grad_norm_`)"
+    assert ts.clip_grad_norm_ is ts.clip_by_global_norm or (
+        inspect.signature(ts.clip_grad_norm_) == inspect.signature(ts.clip_by_global_norm))
+
+
+# ---------------------------------------------------------------------------------------------
+# more claims, by page
+# ---------------------------------------------------------------------------------------------
+
+def test_structural_parameter_switched_on_after_forward_gets_zeros():
+    # docs/structural.md: "A parameter switched on *after* the forward cannot be detected: it
+    # gets zeros" (when the loss reaches another asked parameter; alone, it is the
+    # "reaches none" ValueError, as the page now says)
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    m[0].weight.requires_grad_(False)
+    loss = m(torch.randn(3, 2)).sum()
+    m[0].weight.requires_grad_(True)
+    g = ts.structural_grad(m, loss, retain_graph=True)
+    assert torch.equal(g["0"]["weight"], torch.zeros(2, 2))
+    with raises_naming(ValueError, "'0.weight'"):
+        ts.structural_grad(m, loss, wrt="0.weight")
+
+
+def test_summary_flags_tied_parameters_and_reused_modules():
+    # docs/freezing.md: "the module tree with trainable/frozen marks, element counts per
+    # subtree, tied parameters and reused modules flagged, and the totals"
+    emb = nn.Embedding(5, 2)
+    head = nn.Linear(2, 5, bias=False)
+    head.weight = emb.weight
+    blk = nn.Linear(2, 2)
+    s = ts.summary(nn.ModuleDict({"emb": emb, "head": head, "a": blk, "b": blk}))
+    text = str(s)
+    assert "to emb.weight" in text and "to a" in text and s.counts == (16, 16)
+
+
+def test_schedule_failed_stage_change_leaves_step_and_flags():
+    # docs/schedule.md: "A stage change that cannot be applied leaves the schedule, its step
+    # and every flag as they were, and raises: with `strict=True`, a selector that no longer
+    # matches anything"
+    m = nn.ModuleDict({"a": nn.Linear(2, 2), "head": nn.Linear(2, 1)})
+    s = ts.UnfreezeSchedule(m, {0: "head", 1: "a"})
+    del m["a"]
+    before = flags(m)
+    with raises_naming(ValueError, "'a'"):
+        s.step()
+    assert (s.current_step, s.stage) == (0, 1) and flags(m) == before
+    s.close()
+
+
+def test_optim_mask_errors_name_the_parameter():
+    # docs/optimizers.md: "A mask of the wrong shape, dtype or device raises `ValueError`
+    # naming the parameter, at construction, in `set_mask`, or at `step()`"
+    lin = nn.Linear(2, 2)
+    opt = ts.optim.SGD(lin.parameters(), lr=0.1)
+    for bad in (torch.ones(2, 2), torch.ones(3, dtype=torch.bool),
+                torch.ones(2, 2, dtype=torch.bool, device="meta")):
+        with raises_naming(ValueError, "parameter 0"):
+            opt.set_mask(lin.weight, bad)
+    assert not opt.masks
+
+
+def test_optim_lr_scale_zero_then_positive_starts_fresh():
+    # docs/groups.md: "`lr_scale=0` ... no state is created, step counts do not advance ...
+    # Setting a positive scale later starts them from a fresh state."
+    net = nn.Linear(2, 2)
+    opt = ts.optim.AdamW([{"params": [net.weight], "lr_scale": 0.0}, {"params": [net.bias]}],
+                         lr=0.1)
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    assert net.weight not in opt.state
+    opt.param_groups[0]["lr_scale"] = 1.0
+    opt.step()
+    assert float(opt.state[net.weight]["step"]) == 1 and float(opt.state[net.bias]["step"]) == 2
+
+
+def test_optim_identical_memory_in_one_group_refused():
+    # docs/optimizers.md: "Errors leave everything as it was: ... two parameters of one group
+    # on the same memory"
+    buf = torch.zeros(4)
+    p1, p2 = nn.Parameter(buf[:3]), nn.Parameter(buf[:3])
+    p1.grad, p2.grad = torch.ones(3), torch.ones(3)
+    with pytest.raises(RuntimeError, match="shares its memory"):
+        ts.optim.SGD([p1, p2], lr=0.1).step()
+    assert torch.equal(buf, torch.zeros(4))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "docs/optimizers.md: 'Errors leave everything as it was: ... two parameters of one group "
+    "on the same memory. All input is checked before any parameter or state is written.' Only "
+    "parameters starting at the same address are refused (the check compares data_ptr()); two "
+    "parameters of one group that partly overlap (views buf[:3] and buf[1:]) are both stepped, "
+    "and the shared elements move twice in one step, silently"))
+def test_optim_partly_overlapping_parameters_in_one_group_refused():
+    buf = torch.zeros(4)
+    p1, p2 = nn.Parameter(buf[:3]), nn.Parameter(buf[1:])
+    p1.grad, p2.grad = torch.ones(3), torch.ones(3)
+    try:
+        with pytest.raises(RuntimeError):
+            ts.optim.SGD([p1, p2], lr=0.1).step()
+    finally:
+        assert torch.equal(buf, torch.zeros(4)), buf
+
+
+def test_constant_exit_under_later_dispatch_mode_raises_and_stays_active():
+    # docs/stop_gradient.md: "A `constant` block exited while a dispatch mode entered after it
+    # is still open raises and stays active"
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    lin = nn.Linear(2, 2)
+    c = ts.constant(lin)
+    mode = Passthrough()
+    mode.__enter__()
+    try:
+        with pytest.raises(RuntimeError):
+            c.__exit__(None, None, None)
+    finally:
+        mode.__exit__(None, None, None)
+    with raises_naming(RuntimeError, "'weight'"):
+        lin.weight.data.add_(1)
+    c.__exit__(None, None, None)
+    lin.weight.data.add_(0)
+
+
+def test_within_gradient_true_in_non_reentrant_checkpoint_recompute():
+    # docs/stop_gradient.md: "and the recompute of
+    # `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`"
+    from torch.utils.checkpoint import checkpoint
+    seen = []
+
+    def f(t):
+        seen.append(ts.within_gradient(t))
+        return t * 2
+
+    x = torch.ones(2, requires_grad=True)
+    checkpoint(f, x, use_reentrant=False).sum().backward()
+    assert seen and all(seen)
+
+
+def test_checkpoint_inference_mode_model_written_only_inside():
+    # docs/checkpoint.md: "a model built under `torch.inference_mode()` is written only inside
+    # it"
+    with torch.inference_mode():
+        im = nn.Linear(2, 2)
+    state = {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}
+    with raises_naming(ValueError, "'weight'", "inference_mode"):
+        ts.load_state_dict(im, state)
+    with torch.inference_mode():
+        ts.load_state_dict(im, state)
+    assert torch.equal(im.weight, torch.zeros(2, 2))
