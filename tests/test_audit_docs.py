@@ -1718,3 +1718,79 @@ def test_checkpoint_inference_mode_model_written_only_inside():
     with torch.inference_mode():
         ts.load_state_dict(im, state)
     assert torch.equal(im.weight, torch.zeros(2, 2))
+
+
+def test_value_and_grad_pair_needs_has_aux():
+    # docs/structural.md: "returns `(value, grads)`, or `((value, aux), grads)` when `fn`
+    # returns a pair" -- only with `has_aux=True` (the page now says so): a pair without it is
+    # a TypeError, and has_aux=True with a bare value too
+    m = nn.Linear(2, 1)
+    x = torch.ones(3, 2)
+    with pytest.raises(TypeError):
+        ts.value_and_grad(lambda mm: (mm(x).sum(), 1), m)
+    with pytest.raises(TypeError):
+        ts.value_and_grad(lambda mm: mm(x).sum(), m, has_aux=True)
+
+
+def test_tree_map_rest_key_order_may_differ():
+    # docs/trees.md: "(their key order may differ)"; results follow `tree`'s order
+    out = ts.tree.map(lambda a, b: a + b, {"a": torch.ones(1), "b": torch.full((1,), 2.0)},
+                      {"b": torch.ones(1), "a": torch.ones(1)})
+    assert list(out) == ["a", "b"] and float(out["b"]) == 3.0
+
+
+def test_checkpoint_non_tensor_value_listed():
+    # docs/checkpoint.md: "every value is a tensor ...". "All problems are listed in one
+    # `ValueError`."
+    m = nn.Linear(2, 1)
+    with raises_naming(ValueError, "'weight'", "'bias'"):
+        ts.load_state_dict(m, {"weight": 3.0, "bias": torch.zeros(2)})
+
+
+def test_commands_and_options_named_by_the_docs_exist():
+    # docs/performance.md: "python -m benchmarks.bench_structural_grad --write  # --rounds N",
+    # "bench_global_norm --write  # --device cuda, --norm-type 1"; README: "bash run.sh example
+    # --steps 40 --no-compare --plot /tmp/losses.png", "pip install -e .[docs]", "[test]",
+    # "bash run.sh bench"
+    root = DOCS.parent
+    for mod in re.findall(r"python -m benchmarks\.(\w+)", doc_text() + README.read_text()):
+        assert (root / "benchmarks" / f"{mod}.py").exists(), mod
+    sg = (root / "benchmarks/bench_structural_grad.py").read_text()
+    gn = (root / "benchmarks/bench_global_norm.py").read_text()
+    assert "rounds=" in sg and "device=" in gn and "norm_type=" in gn
+    ex = (root / "examples/finetune.py").read_text()
+    for flag in ("--steps", "--no-compare", "--plot"):
+        assert f'"{flag}"' in ex, flag
+    cfg = (root / "setup.cfg").read_text()
+    for extra in ("test =", "bench =", "docs ="):
+        assert extra in cfg
+    run = (root / "run.sh").read_text()
+    for cmd in ("example)", "test)", "bench)"):
+        assert cmd in run
+
+
+def test_no_kernels_one_warning_per_process_and_device():
+    # docs/api.md: "any other device ... runs the fallback, with one `RuntimeWarning` per
+    # process and device"; docs/clipping.md and docs/optimizers.md: "one warning per process
+    # and device"; `TORCHSTRUCT_NO_KERNELS=cpu` "treats those types as having no compiled
+    # kernels"
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import warnings, torch, torchstruct as ts\n"
+        "from torch import nn\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    for _ in range(2):\n"
+        "        p = nn.Parameter(torch.ones(3)); p.grad = torch.ones(3)\n"
+        "        ts.clip_by_global_norm([p], 0.1); ts.global_norm([p.grad])\n"
+        "        ts.optim.AdamW([p]).step(); ts.optim.SGD([p], lr=0.1, momentum=0.9).step()\n"
+        "print(ts.backend('cpu'), sum(issubclass(x.category, RuntimeWarning) for x in w))\n")
+    env = dict(os.environ, TORCHSTRUCT_NO_KERNELS="cpu", PYTHONPATH=str(DOCS.parent))
+    env.pop("TORCHSTRUCT_BACKEND", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    backend, count = out.stdout.split()
+    assert count == "1" and backend in ("fallback", "reference")
