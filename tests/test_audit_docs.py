@@ -1794,3 +1794,49 @@ def test_no_kernels_one_warning_per_process_and_device():
     assert out.returncode == 0, out.stderr
     backend, count = out.stdout.split()
     assert count == "1" and backend in ("fallback", "reference")
+
+
+def test_schedule_stage_change_keeps_its_place_among_contexts():
+    # docs/schedule.md said: "A stage change enters the new context after every context already
+    # active, so it counts as the innermost one ... an `unfreeze` block entered after the
+    # schedule and still active at a stage change no longer overrides it from then on." The
+    # code puts the new stage where the old one stood (docs/freezing.md: "a schedule's stage
+    # change continues the stage it replaces"), so the unfreeze block goes on overriding it
+    # until it ends; the page now says so.
+    m = nn.ModuleDict({"a": nn.Linear(2, 2), "b": nn.Linear(2, 2), "head": nn.Linear(2, 1)})
+    s = ts.UnfreezeSchedule(m, {0: "head", 1: "a"})
+    with ts.unfreeze(m, "b"):
+        assert flags(m) == [False, False, True, True, True, True]
+        s.step()
+        assert flags(m) == [True, True, True, True, True, True]
+    assert flags(m) == [True, True, False, False, True, True]
+    s.close()
+    assert all(flags(m))
+
+
+def test_context_on_a_submodule_is_scoped_to_it():
+    # docs/freezing.md: "Contexts on a submodule of an attached model are scoped to that
+    # submodule."
+    m = nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Linear(2, 1))
+    ts.attach(m)
+    with ts.freeze_except(m[0], "1"):
+        assert flags(m) == [False, False, True, True, True, True]
+        assert ts.is_trainable(m, "1.weight")
+    assert all(flags(m))
+    ts.detach_hooks(m)
+
+
+def test_layer_decay_tied_takes_first_path_id():
+    # docs/groups.md: "A tied parameter takes the id of its first path"
+    class T(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(5, 2)
+            self.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(2))
+            self.head = nn.Linear(2, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    t = T()
+    scale = {n: g["lr_scale"] for g in ts.param_groups(t, *ts.layer_decay(t, 0.5))
+             for n in g["param_names"]}
+    assert scale["emb.weight"] == 0.5 ** 3 and "head.weight" not in scale
