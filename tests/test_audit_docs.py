@@ -1840,3 +1840,117 @@ def test_layer_decay_tied_takes_first_path_id():
     scale = {n: g["lr_scale"] for g in ts.param_groups(t, *ts.layer_decay(t, 0.5))
              for n in g["param_names"]}
     assert scale["emb.weight"] == 0.5 ** 3 and "head.weight" not in scale
+
+
+def test_parameters_leaving_the_model_get_their_starting_flag_back():
+    # docs/freezing.md: "Parameters that leave the model (a module replaced or deleted, also
+    # inside a block) get their starting flag back ... at the latest when the block is left"
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    old = m[0]
+    with ts.freeze(m):
+        m[0] = nn.Linear(2, 2)
+    assert flags(old) == [True, True] and all(flags(m))
+
+
+def test_restored_flags_warning_names_parameters_created_frozen_in_the_block():
+    # docs/freezing.md: "The same warning names parameters *created* inside the block with
+    # `requires_grad=False` that stay frozen after it: a parametrization such as
+    # `torch.nn.utils.parametrizations.weight_norm` copies the flag the block wrote"
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ts.freeze(m, "0"):
+            torch.nn.utils.parametrizations.weight_norm(m[0])
+    text = " ".join(str(w.message) for w in caught if issubclass(w.category, ts.RestoredFlagsWarning))
+    assert "'0.parametrizations.weight.original0'" in text
+    assert not m[0].parametrizations.weight.original0.requires_grad
+
+
+def test_invalid_declaration_inside_block_restores_then_raises():
+    # docs/freezing.md: "A declaration that became invalid inside a block ... the exit restores
+    # them first -- the invalid declaration admitting the names it still has ... -- and then
+    # raises the declaration's error."
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.mlp, self.gate = nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def trainable(self):
+            return ["mlp", "gate"]
+
+    b = ts.attach(Block())
+    with raises_naming(ValueError, "'mlp'"):
+        with ts.freeze(b):
+            assert not any(flags(b))
+            del b.mlp
+    assert flags(b) == [False, False, True, True]       # attn declared frozen, gate admitted
+    ts.detach_hooks(b)
+
+
+def test_copy_of_attached_model_is_plain_pytorch():
+    # docs/freezing.md: "A copy of an attached model ... the copy's BatchNorm updates its
+    # statistics ..., and it behaves as plain PyTorch until it is attached itself"
+    import copy
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    stay = ts.freeze(net)
+    cp = copy.deepcopy(net)
+    before = cp[1].running_mean.clone()
+    cp(torch.randn(8, 3))
+    assert not torch.equal(cp[1].running_mean, before)
+    stay.__exit__(None, None, None)
+
+
+def test_freeze_norm_stats_choice_survives_detach_and_attach():
+    # docs/freezing.md: "attaching a parent later, `ts.detach_hooks` and attaching again keep
+    # it"; "a layer built with `momentum=None` is held as any other"
+    bb = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    ts.attach(bb, freeze_norm_stats=False)
+    ts.detach_hooks(bb)
+    ts.attach(nn.Sequential(bb))
+    with ts.freeze(bb):
+        before = bb[1].running_mean.clone()
+        bb(torch.randn(8, 3))
+        assert not torch.equal(bb[1].running_mean, before)
+    bn = nn.Sequential(nn.BatchNorm1d(3, momentum=None))
+    with ts.freeze(bn):
+        before = bn[0].running_mean.clone()
+        bn(torch.randn(8, 3))
+        assert torch.equal(bn[0].running_mean, before)
+
+
+def test_ddp_rules_single_process():
+    # docs/freezing.md: "After wrapping, torchstruct refuses (with a `RuntimeError` that says
+    # what to do, changing no flag) ... a parameter that DDP does not synchronize starting to
+    # train, or a synchronized one stopping while the wrapper was built with
+    # `find_unused_parameters=False`. Freezing after wrapping with
+    # `find_unused_parameters=True` works. ... if the model was wrapped inside that context, a
+    # `RuntimeWarning` says the wrapper no longer matches."
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        net[0].bias.requires_grad_(False)
+        ddp = DDP(net)
+        with pytest.raises(RuntimeError, match="find_unused_parameters"):
+            ts.freeze(ddp, "module.1")
+        assert flags(net) == [True, False, True, True]
+        with pytest.raises(RuntimeError):
+            ts.unfreeze(ddp, "module.0.bias")
+        assert flags(net) == [True, False, True, True]
+
+        net2 = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        ddp2 = DDP(net2, find_unused_parameters=True)
+        with ts.freeze(ddp2, "module.1"):
+            assert flags(net2) == [True, True, False, False]
+
+        net3 = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with ts.freeze(net3, "1"):
+                ddp3 = DDP(net3, find_unused_parameters=True)      # kept alive
+        assert any(issubclass(w.category, RuntimeWarning) and "wrap" in str(w.message).lower()
+                   for w in caught), [str(w.message) for w in caught]
+        del ddp, ddp2, ddp3
+    finally:
+        dist.destroy_process_group()
