@@ -1954,3 +1954,126 @@ def test_ddp_rules_single_process():
         del ddp, ddp2, ddp3
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# docstrings of the public functions: Raises / Returns
+# ---------------------------------------------------------------------------------------------
+
+def test_select_docstring_errors():
+    # select: "ValueError: ... an empty list/tuple of selectors (always, also with
+    # strict=False). TypeError: a selector of an unsupported type."
+    m = seq()
+    for empty in ([], ()):
+        with pytest.raises(ValueError):
+            ts.select(m, empty, strict=False)
+    with pytest.raises(TypeError):
+        ts.select(m, 3)
+
+
+def test_summary_and_attach_docstring_type_errors():
+    # summary: "TypeError: `model` is not a module, or `max_depth` not an integer >= 0 or
+    # None"; attach: "TypeError: ... `freeze_norm_stats` is neither None nor a bool (nothing
+    # changes)"
+    m = seq()
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(TypeError):
+            ts.summary(m, max_depth=bad)
+    with pytest.raises(TypeError):
+        ts.summary("model")
+    with pytest.raises(TypeError):
+        ts.attach(m, freeze_norm_stats=1)
+    assert not m._forward_pre_hooks
+
+
+def test_map_trainable_and_polyak_docstring_type_errors():
+    # map_trainable: "TypeError: ... `f` returned something that is neither tensor nor None";
+    # polyak_update: "TypeError: `target` is not a module, `source` neither module nor tree,
+    # or `tau` not a number"
+    m = nn.Linear(2, 2)
+    with pytest.raises(TypeError):
+        ts.map_trainable(lambda p: 1.0, m)
+    with pytest.raises(TypeError):
+        ts.polyak_update(m, [p.detach() for p in m.parameters()], 0.5)
+    with pytest.raises(TypeError):
+        ts.polyak_update(m, nn.Linear(2, 2), "0.5")
+    with pytest.raises(TypeError):
+        ts.polyak_update({"weight": m.weight}, m, 0.5)
+
+
+def test_swap_docstring_leaf_not_tensor():
+    # swap: "TypeError: `model` is not an `nn.Module`, or a leaf is not a tensor."
+    lin = nn.Linear(2, 2)
+    with pytest.raises(TypeError):
+        ts.swap(lin, {"weight": [[0.0, 0.0], [0.0, 0.0]]})
+    with pytest.raises(TypeError):
+        ts.swap("lin", {})
+
+
+def test_param_groups_docstring_type_errors():
+    # param_groups: "TypeError: a rule that is not a pair, options that are not a dict, a bad
+    # selector, a `no_weight_decay()` that returns a str or names that are not str."
+    m = GNet()
+    with pytest.raises(TypeError):
+        ts.param_groups(m, ("head",))
+    with pytest.raises(TypeError):
+        ts.param_groups(m, ("head", [("lr", 1.0)]))
+    with pytest.raises(TypeError):
+        ts.param_groups(m, (3, {"lr": 1.0}))
+    m.no_weight_decay = lambda: "embed"
+    with pytest.raises(TypeError):
+        ts.param_groups(m, weight_decay=0.1)
+    m.no_weight_decay = lambda: [3]
+    with pytest.raises(TypeError):
+        ts.param_groups(m, weight_decay=0.1)
+
+
+def test_layer_decay_docstring_type_error():
+    # layer_decay: "TypeError: `decay` not a number, `layers` of a wrong type."
+    m = nn.Sequential(nn.Embedding(3, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    with pytest.raises(TypeError):
+        ts.layer_decay(m, "0.5")
+    with pytest.raises(TypeError):
+        ts.layer_decay(m, 0.5, layers=3)
+
+
+@pytest.mark.parametrize("milestones, exc", [
+    ({}, ValueError), ({-1: "0"}, ValueError), ({0: []}, ValueError),
+    ({1.5: "0"}, TypeError), ({"0": "0"}, TypeError), ([(0, "0")], TypeError),
+    ({0: 3}, TypeError)])
+def test_schedule_docstring_errors(milestones, exc):
+    # UnfreezeSchedule: "TypeError: `model` is not a module, `milestones` not a mapping, a
+    # step not an integer, or a selector of an unsupported type. ValueError: no milestone, a
+    # negative step, an empty selector list, or a selector that matches nothing"
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with pytest.raises(exc):
+        ts.UnfreezeSchedule(m, milestones)
+    assert all(flags(m))
+
+
+def test_state_dict_docstring_detached_and_ordered():
+    # state_dict: "`{path: tensor}` (detached, sharing storage with the model), in the order
+    # of `model.state_dict()`"
+    m = ck_model()
+    sd = ts.state_dict(m)
+    assert all(not t.requires_grad for t in sd.values())
+    order = [k for k in m.state_dict() if k in sd]
+    assert list(sd) == order
+
+
+def test_grad_tree_docstring_inside_stop_gradient():
+    # grad_tree: "Inside a `stop_gradient` block the blocked parameters are included as
+    # outside it."
+    m = nn.Linear(2, 1)
+    m(torch.ones(1, 2)).sum().backward()
+    with ts.stop_gradient(m):
+        assert ts.tree.paths(ts.grad_tree(m)) == ["weight", "bias"]
+
+
+def test_mark_trainable_docstring_typo_names_closest():
+    # mark_trainable: "ValueError: a name that is not a direct parameter or child (with the
+    # closest names)"; nothing changes
+    lin = nn.Linear(2, 2)
+    with raises_naming(ValueError, "'weight'"):
+        ts.mark_trainable(lin, "wieght")
+    assert flags(lin) == [True, True]
