@@ -2077,3 +2077,69 @@ def test_mark_trainable_docstring_typo_names_closest():
     with raises_naming(ValueError, "'weight'"):
         ts.mark_trainable(lin, "wieght")
     assert flags(lin) == [True, True]
+
+
+def test_sgd_masked_momentum_buffer_stays_zero():
+    # docs/optimizers.md: "SGD with masks: a masked-out element's momentum buffer stays at zero
+    # from creation"; masked-out elements bitwise unchanged also with weight decay
+    lin = nn.Linear(2, 2, bias=False)
+    mask = torch.tensor([[True, False], [True, False]])
+    opt = ts.optim.SGD(lin.parameters(), lr=0.1, momentum=0.9, weight_decay=0.5,
+                       masks={lin.weight: mask})
+    before = lin.weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        lin(torch.randn(3, 2)).pow(2).sum().backward()
+        opt.step()
+    buf = opt.state[lin.weight]["momentum_buffer"]
+    assert buf[:, 1].eq(0).all() and buf[:, 0].ne(0).all()
+    assert torch.equal(lin.weight[:, 1], before[:, 1])
+
+
+@pytest.mark.parametrize("opt_fn", [lambda ps: ts.optim.AdamW(ps, lr=0.1),
+                                    lambda ps: ts.optim.SGD(ps, lr=0.1, momentum=0.9)])
+def test_gradscaler_skipped_first_step_creates_no_state_on_cpu(opt_fn):
+    # docs/optimizers.md: "`found_inf` on the CPU is read on the host and a skipped step returns
+    # before any state is created"; "an overflowed step creates no buffer"
+    lin = nn.Linear(2, 1)
+    opt = opt_fn(lin.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+    scaler.scale(lin(torch.ones(1, 2)).sum()).backward()
+    lin.weight.grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in lin.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert not opt.state and all(torch.equal(p, b) for p, b in zip(lin.parameters(), before))
+
+
+def test_torchstruct_functions_see_the_model_outside_the_stop_gradient_block():
+    # docs/stop_gradient.md: "inside a `stop_gradient` or `swap` block ...
+    # `ts.trainable_parameters`, `ts.is_trainable`, `ts.summary` ... see the model as it is
+    # outside the block, and `ts.optim` steps every trainable parameter that has a gradient.
+    # A `copy.deepcopy(model)` ... made inside the block copies the parameters' own flags"
+    import copy
+    m = nn.Linear(2, 1)
+    m(torch.ones(1, 2)).sum().backward()
+    opt = ts.optim.SGD(m.parameters(), lr=0.1)
+    before = m.weight.detach().clone()
+    with ts.stop_gradient(m):
+        assert [p for p, _ in ts.trainable_parameters(m)] == ["weight", "bias"]
+        assert ts.is_trainable(m, "weight") and ts.summary(m).counts == (3, 3)
+        cp = copy.deepcopy(m)
+        opt.step()
+    assert all(flags(cp)) and not torch.equal(m.weight, before)
+
+
+def test_structural_grad_inside_stop_gradient_block():
+    # docs/structural.md: "a loss computed outside the block gets its usual gradients there,
+    # and a callable loss, which runs under the block, reaches a blocked ... parameter only
+    # where it is used outside the block (a loss that reaches none of them is the
+    # `ValueError` above)"
+    m = nn.Linear(2, 1)
+    x = torch.ones(3, 2)
+    outside = m(x).sum()
+    with ts.stop_gradient(m):
+        g = ts.structural_grad(m, outside)
+        with pytest.raises(ValueError):
+            ts.structural_grad(m, lambda mm: mm(x).sum())
+    assert torch.equal(g["bias"], torch.tensor([3.0]))
