@@ -2143,3 +2143,76 @@ def test_structural_grad_inside_stop_gradient_block():
         with pytest.raises(ValueError):
             ts.structural_grad(m, lambda mm: mm(x).sum())
     assert torch.equal(g["bias"], torch.tensor([3.0]))
+
+
+def test_registered_ops_named_by_the_docs():
+    # README: "A C++ extension (`torch.ops.torchstruct.*` ...) does the global-norm reductions
+    # and fused masked optimizer updates"; docs/optimizers.md: "`torch.ops.torchstruct.sgd_step_`
+    # / `adamw_step_`"; docs/clipping.md: "`torch.ops.torchstruct.clip_by_global_norm_`",
+    # "`torchstruct._C.clip_grads_`"
+    from torchstruct import _ops
+    if not _ops.compiled_available():
+        pytest.skip("the extension is not built")
+    for name in ("clip_by_global_norm_", "sgd_step_", "adamw_step_", "global_norm", "scale_"):
+        assert hasattr(torch.ops.torchstruct, name), name
+    import torchstruct._C as C
+    assert hasattr(C, "clip_grads_")
+
+
+def test_unregistered_parameter_swap_is_read_at_once_and_written_at_the_next_application():
+    # docs/freezing.md said an unregistered swap (`module._parameters[...] = p`) "is seen the
+    # next time a context is entered or left or trainability is read"; a read answers for the
+    # new parameter at once but writes no flag ("Reading changes nothing"), so its flag stays
+    # its own, also across forwards, until a context is entered or left or `ts.attach` runs.
+    # The page now says so.
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    c = ts.freeze_except(m, "1")
+    newp = nn.Parameter(torch.zeros(2, 2))
+    m[0]._parameters["weight"] = newp
+    assert not ts.is_trainable(m, "0.weight") and newp.requires_grad
+    m(torch.ones(1, 2))
+    assert newp.requires_grad
+    ts.attach(m)
+    assert not newp.requires_grad
+    c.__exit__(None, None, None)
+    assert newp.requires_grad
+
+
+def test_context_decides_once_per_parameter_under_renumbering():
+    # docs/freezing.md: "a `Sequential` renumbered by `del m[0]` does not move a glob like
+    # `"1"` to another layer"; "`load_state_dict(assign=True)`, `to_empty` ... inherits what
+    # was decided for the one it replaces"
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    l1, l2 = m[1], m[2]
+    with ts.freeze(m, "1"):
+        del m[0]
+        ts.attach(m)
+        assert flags(l1) == [False, False] and flags(l2) == [True, True]
+    assert all(flags(l1) + flags(l2))
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    with ts.freeze(m, "0"):
+        m.load_state_dict(sd, assign=True)
+        assert flags(m) == [False, False, True, True]
+    assert all(flags(m))
+    with ts.freeze(m, "1"):
+        m.to_empty(device="cpu")
+        assert flags(m) == [True, True, False, False]
+    assert all(flags(m))
+
+
+def test_t5_relative_attention_bias_decays_here():
+    # docs/groups.md: "HF `Trainer` ... also exempts T5's `relative_attention_bias` embedding
+    # table, which this rule decays"; T5LayerNorm found by name
+    import os
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    t5 = transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=20, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2))
+    groups = ts.param_groups(t5, weight_decay=0.1)
+    wd = {n: g["weight_decay"] for g in groups for n in g["param_names"]}
+    rel = [n for n in wd if "relative_attention_bias" in n]
+    assert rel and all(wd[n] == 0.1 for n in rel)
+    assert all(wd[n] == 0.0 for n in wd if "layer_norm" in n)
+    hf = set(transformers.Trainer.get_decay_parameter_names(None, t5))
+    assert not set(rel) & hf
