@@ -2216,3 +2216,38 @@ def test_t5_relative_attention_bias_decays_here():
     assert all(wd[n] == 0.0 for n in wd if "layer_norm" in n)
     hf = set(transformers.Trainer.get_decay_parameter_names(None, t5))
     assert not set(rel) & hf
+
+
+def test_checkpoint_lazy_parameter_nothing_written():
+    # docs/checkpoint.md: "Parameters that are not plain tensors (... lazy parameters) are
+    # refused ... rather than written partly"
+    m = nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(2))
+    before = m[0].weight.detach().clone()
+    with pytest.raises(ValueError):
+        ts.load_state_dict(m, {"0.weight": torch.zeros(2, 2)}, strict=False)
+    assert torch.equal(m[0].weight, before)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "docs/checkpoint.md: 'Parameters that are not plain tensors (FSDP2's sharded DTensors, "
+    "lazy parameters) are refused with a clear error rather than written partly' (and the "
+    "guide: a clear error naming the offending path). Nothing is written, but the error is "
+    "torch's own 'Attempted to use an uninitialized parameter in <method detach>' raised while "
+    "ts.state_dict (called by load_state_dict, also with strict=False) detaches the lazy "
+    "parameter, naming no path; the check meant for it ('... is a UninitializedParameter, not "
+    "a plain tensor', naming the path) is never reached"))
+def test_checkpoint_lazy_parameter_error_names_the_path():
+    m = nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(2))
+    with raises_naming(ValueError, "'1.weight'"):
+        ts.load_state_dict(m, {"0.weight": torch.zeros(2, 2)}, strict=False)
+
+
+def test_optimizer_clip_settings_not_in_state_dict():
+    # docs/optimizers.md: "`max_grad_norm` and `norm_type` are constructor settings, not part
+    # of the state dict"
+    lin = nn.Linear(2, 2)
+    sd = ts.optim.AdamW(lin.parameters(), max_grad_norm=1.0, norm_type=1.0).state_dict()
+    assert "max_grad_norm" not in sd["param_groups"][0] and "norm_type" not in sd["param_groups"][0]
+    again = ts.optim.AdamW(lin.parameters())
+    again.load_state_dict(sd)
+    assert again.max_grad_norm is None and again.norm_type == 2.0
