@@ -2251,3 +2251,42 @@ def test_optimizer_clip_settings_not_in_state_dict():
     again = ts.optim.AdamW(lin.parameters())
     again.load_state_dict(sd)
     assert again.max_grad_norm is None and again.norm_type == 2.0
+
+
+def test_summary_shows_in_a_repl():
+    # docs/freezing.md: "`ts.summary(model)` returns (and shows, in a REPL) the module tree"
+    s = ts.summary(nn.Linear(2, 2))
+    assert repr(s) == str(s) and str(s).endswith("trainable 6 of 6, 100.00%")
+
+
+def test_structural_grad_ddp_refusals_single_process():
+    # docs/structural.md / docs/distributed.md: "On a wrapper built with `static_graph=True` it
+    # needs one training step first ...; before that it is refused, changing nothing";
+    # "refused ...: a communication hook other than the plain `allreduce_hook` ...
+    # (`RuntimeError` ...), and `create_graph=True` (`ValueError`)"
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        x = torch.randn(3, 2)
+        net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        d = DDP(net, static_graph=True)
+        with pytest.raises(RuntimeError, match="static_graph"):
+            ts.structural_grad(d, lambda m: m(x).sum())
+        assert all(p.grad is None for p in net.parameters()) and all(flags(net))
+        d(x).sum().backward()
+        assert ts.tree.paths(ts.structural_grad(d, lambda m: m(x).sum()))[0] == "module.0.weight"
+        d2 = DDP(nn.Linear(2, 1))
+        with pytest.raises(ValueError):
+            ts.structural_grad(d2, lambda m: m(x).sum(), create_graph=True)
+        d3 = DDP(nn.Linear(2, 1))
+        d3.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        with pytest.raises(RuntimeError, match="fp16_compress_hook"):
+            ts.structural_grad(d3, lambda m: m(x).sum())
+        d4 = DDP(nn.Linear(2, 1))
+        d4.register_comm_hook(None, default_hooks.allreduce_hook)
+        ts.structural_grad(d4, lambda m: m(x).sum())
+        del d, d2, d3, d4
+    finally:
+        dist.destroy_process_group()
