@@ -2290,3 +2290,20 @@ def test_structural_grad_ddp_refusals_single_process():
         del d, d2, d3, d4
     finally:
         dist.destroy_process_group()
+
+
+def test_environment_variables_and_setup_named_by_the_readme():
+    # README: "`TORCHSTRUCT_NO_EXTENSION=1` at install time ..., or
+    # `TORCHSTRUCT_BACKEND=reference` at run time"; "`TORCH_CUDA_ARCH_LIST`", "`CUDA_HOME` (or
+    # `/usr/local/cuda`)"; "installs the pinned CPU build `torch==2.13.0`, then `pip install
+    # --no-build-isolation -e .[test]`"; docs/api.md: "`TORCHSTRUCT_NO_KERNELS=cpu`"
+    root = DOCS.parent
+    setup, ops = (root / "setup.py").read_text(), (root / "torchstruct/_ops.py").read_text()
+    run = (root / "run.sh").read_text()
+    for name in ("TORCHSTRUCT_NO_EXTENSION", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "/usr/local/cuda"):
+        assert name in setup, name
+    for name in ("TORCHSTRUCT_BACKEND", "TORCHSTRUCT_NO_KERNELS"):
+        assert name in ops, name
+    assert "torch==2.13.0" in run and "--no-build-isolation -e" in run and '.[test]' in run
+    for name in set(re.findall(r"TORCHSTRUCT_[A-Z_]+", doc_text() + README.read_text())):
+        assert name in setup + ops + run, name
