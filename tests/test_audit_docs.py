@@ -2307,3 +2307,52 @@ def test_environment_variables_and_setup_named_by_the_readme():
     assert "torch==2.13.0" in run and "--no-build-isolation -e" in run and '.[test]' in run
     for name in set(re.findall(r"TORCHSTRUCT_[A-Z_]+", doc_text() + README.read_text())):
         assert name in setup + ops + run, name
+
+
+def test_constant_protects_memory_not_objects():
+    # docs/stop_gradient.md: "a write that overlaps the bytes of a selected parameter raises,
+    # whatever tensor it goes through (also one on another storage sharing those bytes, from
+    # `torch.from_numpy` ...); two parameters that are views of one buffer are told apart";
+    # "Rebinding `p.data = other` ... raises too, unless `other` is the parameter's own memory
+    # seen the same way (`module.float()` on a float model)"
+    np = pytest.importorskip("numpy")
+    buf = torch.zeros(4)
+    m = nn.Module()
+    m.a, m.b = nn.Parameter(buf[:2]), nn.Parameter(buf[2:])
+    with ts.constant(m, "a"), torch.no_grad():
+        m.b.add_(1)
+        with raises_naming(RuntimeError, "'a'"):
+            buf[1:3].add_(1)
+    assert torch.equal(buf, torch.tensor([0.0, 0.0, 1.0, 1.0]))
+    arr = np.zeros(3, dtype=np.float32)
+    m2 = nn.Module()
+    m2.p = nn.Parameter(torch.from_numpy(arr))
+    with ts.constant(m2), torch.no_grad():
+        with raises_naming(RuntimeError, "'p'"):
+            torch.from_numpy(arr).add_(1)
+        m2.float()
+        with raises_naming(RuntimeError, "'p'"):
+            m2.double()
+    assert arr.sum() == 0 and m2.p.dtype == torch.float32
+
+
+def test_contexts_on_different_models_from_different_threads():
+    # docs/freezing.md: "contexts on different models may be entered and left from different
+    # threads"
+    models = [nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)) for _ in range(2)]
+    errors = []
+
+    def work(m):
+        try:
+            for _ in range(30):
+                with ts.freeze_except(m, "1"):
+                    assert flags(m) == [False, False, True, True]
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(all(flags(m)) for m in models)
