@@ -2356,3 +2356,37 @@ def test_contexts_on_different_models_from_different_threads():
     for t in threads:
         t.join()
     assert not errors and all(all(flags(m)) for m in models)
+
+
+def test_schedule_step_between_milestones_walks_nothing(monkeypatch):
+    # docs/schedule.md: "`step()` that reaches no milestone is a counter increment and a
+    # comparison: no walk of the model"
+    m = nn.ModuleDict({"a": nn.Linear(2, 2), "head": nn.Linear(2, 1)})
+    s = ts.UnfreezeSchedule(m, {0: "head", 5: "a"})
+    calls = []
+    for name in ("named_modules", "named_parameters", "modules", "parameters", "children"):
+        orig = getattr(nn.Module, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            calls.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(nn.Module, name, spy)
+    for _ in range(4):
+        s.step()
+    monkeypatch.undo()
+    assert calls == [] and s.current_step == 4
+    s.close()
+
+
+def test_select_tuple_union_and_no_selector_contexts():
+    # docs/selecting.md: "the union of a list or tuple of selectors"; docs/freezing.md:
+    # "`ts.freeze(model, *selectors)` turns the selected off (no selector: the whole model)",
+    # "`ts.unfreeze(model, *selectors)` turns the selected on (no selector: the whole model)"
+    m = seq()
+    assert [p for p, _ in ts.select(m, ("0.bias", m[2]))] == ["0.bias", "2.weight", "2.bias"]
+    with ts.freeze(m):
+        assert not any(flags(m))
+        with ts.unfreeze(m):
+            assert all(flags(m))
+    assert all(flags(m))
