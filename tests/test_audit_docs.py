@@ -2405,3 +2405,38 @@ def test_select_tuple_union_and_no_selector_contexts():
         with ts.unfreeze(m):
             assert all(flags(m))
     assert all(flags(m))
+
+
+def test_structural_grad_reentrant_checkpoint_puts_everything_back():
+    # docs/structural.md (use_reentrant=True): "every other leaf the loss visibly reaches
+    # (inputs, another model's parameters) ... switched off, so nothing accumulates there; the
+    # asked `.grad` fields start empty and every `.grad` and flag is put back afterwards. The
+    # numbers are those of `.backward()`"; "a parameter with a post-accumulate-grad hook ...
+    # raises `RuntimeError` naming it"
+    from torch.utils.checkpoint import checkpoint
+
+    class C(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = nn.Linear(4, 8), nn.Linear(8, 2)
+            self.mid = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+        def forward(self, x):
+            return self.out(checkpoint(self.mid, torch.tanh(self.inp(x)), use_reentrant=True))
+
+    torch.manual_seed(0)
+    m, other = C(), nn.Linear(2, 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    everything = list(m.parameters()) + list(other.parameters())
+    for p in everything:
+        p.grad = torch.full_like(p, 7.0)
+    g = ts.tree.to_flat_dict(ts.structural_grad(m, lambda mm: other(mm(x)).sum()))
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in everything)
+    assert x.grad is None and all(p.requires_grad for p in everything)
+    ref = C()
+    ref.load_state_dict(m.state_dict())
+    other(ref(x.detach())).sum().backward()
+    assert all(torch.equal(g[n], p.grad) for n, p in ref.named_parameters())
+    m.mid[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    with raises_naming(RuntimeError, "'mid.0.weight'"):
+        ts.structural_grad(m, lambda mm: other(mm(x)).sum())
