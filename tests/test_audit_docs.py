@@ -2440,3 +2440,11 @@ def test_structural_grad_reentrant_checkpoint_puts_everything_back():
     m.mid[0].weight.register_post_accumulate_grad_hook(lambda p: None)
     with raises_naming(RuntimeError, "'mid.0.weight'"):
         ts.structural_grad(m, lambda mm: other(mm(x)).sum())
+
+
+def test_tree_map_and_unflatten_give_back_a_flat_dict_for_a_flat_input():
+    # docs/trees.md (as fixed): "`map` and `unflatten` give back a flat dict for a flat input"
+    flat = {"a.b": torch.ones(1), "c": torch.zeros(2)}
+    assert list(ts.tree.map(lambda t: t, flat)) == ["a.b", "c"]
+    vec, spec = ts.tree.flatten(flat)
+    assert list(ts.tree.unflatten(vec, spec)) == ["a.b", "c"]
