@@ -2243,14 +2243,6 @@ def test_checkpoint_lazy_parameter_nothing_written():
     assert torch.equal(m[0].weight, before)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "docs/checkpoint.md: 'Parameters that are not plain tensors (FSDP2's sharded DTensors, "
-    "lazy parameters) are refused with a clear error rather than written partly' (and the "
-    "guide: a clear error naming the offending path). Nothing is written, but the error is "
-    "torch's own 'Attempted to use an uninitialized parameter in <method detach>' raised while "
-    "ts.state_dict (called by load_state_dict, also with strict=False) detaches the lazy "
-    "parameter, naming no path; the check meant for it ('... is a UninitializedParameter, not "
-    "a plain tensor', naming the path) is never reached"))
 def test_checkpoint_lazy_parameter_error_names_the_path():
     m = nn.Sequential(nn.Linear(2, 2), nn.LazyLinear(2))
     with raises_naming(ValueError, "'1.weight'"):

@@ -75,6 +75,8 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
 
     Raises:
         TypeError: ``model`` is not a module.
+        ValueError: a trainable parameter is uninitialized (a lazy module before its first
+            forward), naming its path.
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
@@ -86,6 +88,12 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
     if not isinstance(model, nn.Module):
         raise TypeError(f"state_dict: expected an nn.Module, got {type(model).__name__}")
     params = list(trainable_parameters(model))
+    lazy = [path for path, p in params if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(
+            f"state_dict: {lazy[0]!r} is an uninitialized (lazy) parameter, which has no values "
+            "to save or load yet; run a forward pass first"
+        )
     out = {path: p.detach() for path, p in params}
     if buffers:
         trained = {id(p) for _, p in params}
@@ -197,9 +205,11 @@ def load_state_dict(
     problems += [m for k, v in state.items() if k in targets if (m := _problem(k, v, targets[k]))]
     if not problems:
         problems += _aliases_differ(state, targets)
-    expected = state_dict(model, buffers=buffers)
-    given = {id(targets[k]) for k in state if k in targets}  # a tied tensor under any path
-    missing = [k for k in expected if k not in state and id(targets[k]) not in given]
+    missing = []
+    if not problems:  # (a lazy trainable parameter: state_dict raises, naming it)
+        expected = state_dict(model, buffers=buffers)
+        given = {id(targets[k]) for k in state if k in targets}  # a tied tensor under any path
+        missing = [k for k in expected if k not in state and id(targets[k]) not in given]
     if strict and missing:
         problems.append(
             f"missing {len(missing)} key(s) of the trainable state: {missing[:5]}"
