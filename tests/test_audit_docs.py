@@ -1666,12 +1666,6 @@ def test_optim_identical_memory_in_one_group_refused():
     assert torch.equal(buf, torch.zeros(4))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "docs/optimizers.md: 'Errors leave everything as it was: ... two parameters of one group "
-    "on the same memory. All input is checked before any parameter or state is written.' Only "
-    "parameters starting at the same address are refused (the check compares data_ptr()); two "
-    "parameters of one group that partly overlap (views buf[:3] and buf[1:]) are both stepped, "
-    "and the shared elements move twice in one step, silently"))
 def test_optim_partly_overlapping_parameters_in_one_group_refused():
     buf = torch.zeros(4)
     p1, p2 = nn.Parameter(buf[:3]), nn.Parameter(buf[1:])

@@ -101,6 +101,12 @@ def _like(p: torch.Tensor, t: torch.Tensor, dtype=None) -> torch.Tensor:
     return out
 
 
+
+def _span(t: torch.Tensor) -> tuple:
+    """``(device, first byte, end byte)`` of the memory ``t`` covers (its elements' range)."""
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return str(t.device), t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
 class MaskedOptimizer(torch.optim.Optimizer):
     """Base of the fused optimizers: planning, checks, masks, clip, AMP.
 
@@ -353,21 +359,15 @@ class MaskedOptimizer(torch.optim.Optimizer):
             if group.get("lr_scale", 1.0) == 0:
                 continue  # a group scaled to 0 is skipped like a frozen parameter
             params = []
-            memory = {}  # data_ptr -> parameter: the kernels step each memory once per call
+            spans = []  # (device, first byte, end byte, parameter): each memory once per call
             # the memory is a DTensor's local shard (the DTensor itself has none)
             shards = _dtensor.locals_(group["params"])
             for p, shard in zip(group["params"], shards):
                 if not p.requires_grad or p.grad is None or id(p) in seen:
                     continue  # frozen, no gradient, or already stepped (tied)
                 seen.add(id(p))
-                other, other_shard = memory.setdefault(shard.data_ptr(), (p, shard))
-                if other is not p and shard.numel():
-                    if other_shard.numel():
-                        raise RuntimeError(
-                            f"{name}: {self._label(p)} shares its memory with "
-                            f"{self._label(other)} in one param group; each tensor may be "
-                            f"stepped once per step")
-                    memory[shard.data_ptr()] = (p, shard)
+                if shard.numel() and shard.data_ptr():  # (meta tensors have no memory)
+                    spans.append((*_span(shard), id(p), p))
                 if not shard.is_contiguous() and not _is_non_overlapping_and_dense(shard):
                     raise RuntimeError(
                         f"{name}: {self._label(p)} is not dense (it overlaps itself or has "
@@ -394,7 +394,19 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 params.append(p)
             if params:
                 plan.append((group, params))
+            self._refuse_shared(spans)
         return plan
+
+    def _refuse_shared(self, spans: list) -> None:
+        """Two parameters of one group whose bytes overlap (the same tensor's memory, or views
+        that partly overlap) would be stepped twice there: refused."""
+        spans.sort(key=lambda s: s[:3])
+        for a, b in zip(spans, spans[1:]):
+            if a[0] == b[0] and b[1] < a[2]:
+                raise RuntimeError(
+                    f"{type(self).__name__}: {self._label(b[4])} shares its memory with "
+                    f"{self._label(a[4])} in one param group; each tensor may be stepped once "
+                    f"per step")
 
     def _amp(self):
         grad_scale = getattr(self, "grad_scale", None)
