@@ -175,7 +175,8 @@ def paths(tree: Tree) -> list[str]:
 
     Raises:
         TypeError: ``tree`` is not a dict, or a leaf is neither Tensor, dict nor None.
-        ValueError: a key is not a non-empty string without ``"."``.
+        ValueError: a key is not a non-empty string, a dotted key has an empty component
+            (``"a..b"``), or two keys name the same path.
 
     Example:
         >>> import torch
