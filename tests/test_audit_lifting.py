@@ -254,7 +254,9 @@ def test_calls_that_raise_or_not_restore_the_stack_exactly(call):
                 assert same(stack(), before)
         else:
             m(torch.ones(1, 2)).sum().backward()
-            ts.optim.SGD(m.parameters(), lr=0.1).step()
+            ts.optim.SGD(m.a.parameters(), lr=0.1).step()  # stop_gradient'ed: steps
+            with pytest.raises(RuntimeError, match="inside a swap block"):
+                ts.optim.SGD(m.parameters(), lr=0.1).step()  # b.bias is swapped: refused
         assert same(stack(), before)
     assert not any(isinstance(mode, Mine) for mode in stack())
     if call != "optim_step":  # bad input changed no flag; a context left restored them
@@ -410,30 +412,32 @@ def test_peft_adapter_injected_inside_stop_gradient():
 
 
 # ----------------------------------------------------------------- ts.optim inside swap
-@pytest.mark.xfail(strict=True, reason=(
-    "ts.optim inside a swap block plans on the parameters' own flags and gradients (lifted), "
-    "while torch.optim reads and updates the stand-ins: with the gradients on the swapped-in "
-    "tensors (a lookahead step) ts.optim.SGD silently steps nothing, and with the gradients on "
-    "the parameters it raises AttributeError ('NoneType' object has no attribute 'stride'); "
-    "expected: the same step as torch.optim.SGD (the stand-ins move)"))
+@pytest.mark.parametrize("opt", ["SGD", "AdamW"])
 @pytest.mark.parametrize("grads_on", ["stand_ins", "parameters"])
-def test_ts_optim_inside_swap_equals_torch_optim(grads_on):
-    out = []
-    for make in (torch.optim.SGD, ts.optim.SGD):
-        torch.manual_seed(0)
-        m = nn.Linear(3, 2)
-        if grads_on == "parameters":
+def test_ts_optim_inside_swap_is_refused_and_changes_nothing(grads_on, opt):
+    """Inside swap, a step would read and write the stand-ins for some tensors and the
+    parameters for others: refused before any write, wherever the gradients are. Inside
+    stop_gradient (stand-ins share the parameters' memory) the step runs as outside."""
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    if grads_on == "parameters":
+        m(torch.ones(1, 3)).sum().backward()
+    slow = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
+    o = getattr(ts.optim, opt)(m.parameters(), lr=0.5)
+    before = [t.detach().clone() for t in [*slow.values(), *m.parameters()]]
+    with ts.swap(m, slow):
+        if grads_on == "stand_ins":
             m(torch.ones(1, 3)).sum().backward()
-        slow = {n: p.detach().clone().requires_grad_() for n, p in m.named_parameters()}
-        opt = make(m.parameters(), lr=0.5)
-        with ts.swap(m, slow):
-            if grads_on == "stand_ins":
-                m(torch.ones(1, 3)).sum().backward()
-            opt.step()
-        out.append([t.detach().clone() for t in [*slow.values(), *m.parameters()]])
-    assert all(torch.equal(a, b) for a, b in zip(*out))
-    assert not all(torch.equal(a, b) for a, b in zip(out[0][:2], out[0][2:])) or grads_on \
-        == "parameters"
+        with pytest.raises(RuntimeError, match=f"{opt}: step\\(\\) inside a swap block"):
+            o.step()
+    assert all(torch.equal(a, b) for a, b in
+               zip(before, [t.detach() for t in [*slow.values(), *m.parameters()]]))
+    assert not o.state
+    with ts.swap(m, {"weight": slow["weight"]}):  # a partial swap of other parameters
+        pass
+    other = getattr(ts.optim, opt)([nn.Parameter(torch.ones(2))], lr=0.5)
+    with ts.swap(m, slow):
+        other.step()  # an optimizer over tensors the block does not replace: fine
 
 
 def test_a_block_entered_after_a_nested_lift_ended_is_not_lost():

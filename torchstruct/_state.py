@@ -113,6 +113,15 @@ def take_lifted(mode) -> bool:
     return False
 
 
+def replaced(tensors) -> list:
+    """Those of ``tensors`` that an active block of this thread replaces by another tensor
+    (``swap``: a stand-in with memory of its own, ``table[id(p)] = (p, make)``)."""
+    modes = [m for m in torch.overrides._get_current_function_mode_stack()
+             if getattr(m, "stands_in", False) and not getattr(m, "aliases", True)]
+    return [t for t in tensors
+            if any((hit := m.table.get(id(t))) is not None and hit[0] is t for m in modes)]
+
+
 class _Lock:
     """A re-entrant lock; while a thread holds it, :func:`without_stand_ins` is in force for
     that thread: torchstruct's bookkeeping (flags, records, declarations, the user's

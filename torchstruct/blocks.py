@@ -77,6 +77,7 @@ class _Substitute(TorchFunctionMode):
     """
 
     stands_in = True  # lifted while torchstruct works on the parameters (_state.LOCK)
+    aliases = False  # set by the block: whether the stand-ins share the parameters' memory
 
     def __init__(self, table: dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]],
                  own: frozenset[str] = frozenset(), kind: str = "block") -> None:
@@ -150,6 +151,7 @@ _COPYING = frozenset({nn.Parameter.__deepcopy__.__code__, nn.Parameter.__reduce_
 
 class _SubstituteBlock(_Context):
     own: frozenset[str] = frozenset()  # attributes read from the parameter itself
+    aliases: bool = False  # whether the stand-ins share the parameters' memory
 
     def _table(self) -> dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]]:
         raise NotImplementedError
@@ -157,6 +159,7 @@ class _SubstituteBlock(_Context):
     @run_eagerly
     def _apply(self) -> None:
         mode = _Substitute(self._table(), self.own, type(self).__name__)  # validates first
+        mode.aliases = self.aliases
         _state.push_stand_in(mode)
         self._mode = mode
 
@@ -229,6 +232,8 @@ class stop_gradient(_SubstituteBlock):
 
     def __init__(self, model: nn.Module, *selectors, strict: bool = True) -> None:
         super().__init__(model, *selectors, strict=strict)
+
+    aliases = True  # a .detach() alias: writes through it reach the parameter
 
     def _table(self):
         model, *selectors = self._args

@@ -346,6 +346,13 @@ class MaskedOptimizer(torch.optim.Optimizer):
         """[(group, params)] of what this step updates; raises (before any write)
         on bad input. Flags are the parameters' own, also inside a ``stop_gradient`` block
         (where ``p.requires_grad`` reads the stand-in's False)."""
+        swapped = _state.replaced([p for g in self.param_groups for p in g["params"]])
+        if swapped:
+            raise RuntimeError(
+                f"{type(self).__name__}: step() inside a swap block that replaces "
+                f"{self._label(swapped[0])}: the step would read and write the stand-ins for "
+                f"some tensors and the parameters for others. Step outside the block (or "
+                f"build an optimizer over the swapped-in tensors)")
         with _state.without_stand_ins():
             return self._plan_now()
 
