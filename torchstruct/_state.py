@@ -38,8 +38,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 
-
-
 _lifting = threading.local()  # .frames: this thread's lifted stand-in modes, one list per lift
 
 

@@ -43,6 +43,7 @@ import torch
 
 from .. import _dtensor, _ops, _state
 from .._reference import FLOAT_DTYPES, _is_non_overlapping_and_dense, validate_norm_type
+from ..blocks import _place
 from ..select import _closest
 
 __all__ = ["MaskedOptimizer"]
@@ -100,12 +101,6 @@ def _like(p: torch.Tensor, t: torch.Tensor, dtype=None) -> torch.Tensor:
     out.copy_(t)
     return out
 
-
-
-def _span(t: torch.Tensor) -> tuple:
-    """``(device, first byte, end byte)`` of the memory ``t`` covers (its elements' range)."""
-    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
-    return str(t.device), t.data_ptr(), t.data_ptr() + extent * t.element_size()
 
 class MaskedOptimizer(torch.optim.Optimizer):
     """Base of the fused optimizers: planning, checks, masks, clip, AMP.
@@ -373,8 +368,9 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 if not p.requires_grad or p.grad is None or id(p) in seen:
                     continue  # frozen, no gradient, or already stepped (tied)
                 seen.add(id(p))
-                if shard.numel() and shard.data_ptr():  # (meta tensors have no memory)
-                    spans.append((*_span(shard), id(p), p))
+                if shard.numel():
+                    memory, lo, hi = _place(shard)
+                    spans.append((str(memory), lo, hi, id(p), p))
                 if not shard.is_contiguous() and not _is_non_overlapping_and_dense(shard):
                     raise RuntimeError(
                         f"{name}: {self._label(p)} is not dense (it overlaps itself or has "
