@@ -166,11 +166,11 @@ def _buffers_synced_first(ddp, forward_follows: bool):
         yield
         return
     ddp._sync_buffers()
-    ddp.broadcast_buffers = False
+    before, ddp.broadcast_buffers = ddp.broadcast_buffers, False
     try:
         yield
     finally:
-        ddp.broadcast_buffers = True
+        ddp.broadcast_buffers = before
 
 
 def _check_plain_average(ddp, tensor_loss: bool, create_graph: bool) -> None:
