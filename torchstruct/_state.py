@@ -203,9 +203,9 @@ def note_writes() -> None:
         if p is not None and p.requires_grad is not hit[2]:
             records[key] = (hit[0], *_read(hit, p))
 
-# id(norm layer) -> (weakref to the layer, its momentum when the hold began): layers whose
-# running statistics are held now
-frozen_norms: dict[int, tuple[weakref.ref, object]] = {}
+# id(norm layer) -> (weakref to the layer, its momentum when the hold began, the version of its
+# running_mean then): layers whose running statistics are held now
+frozen_norms: dict[int, tuple[weakref.ref, object, int]] = {}
 
 # Called as guard(changes, refuse) before flags are written, with the (path, parameter, new
 # flag) of every parameter whose flag would change. With refuse=True a guard raises to refuse

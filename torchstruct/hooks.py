@@ -199,7 +199,8 @@ class State:
                     mod.register_forward_hook(_norm_post, always_call=True),
                 ]
                 self.norm_hooks[key] = (weakref.ref(mod), handles)
-                _state.frozen_norms[key] = (weakref.ref(mod), getattr(mod, "momentum", None))
+                _state.frozen_norms[key] = (weakref.ref(mod), getattr(mod, "momentum", None),
+                                            _stats_version(mod))
 
 
 def _opted_out(root: nn.Module | None) -> set[int]:
@@ -306,10 +307,39 @@ def _held(module: nn.Module) -> bool:
     return not (module.momentum is None and hit[1] is not None)
 
 
+def _stats_version(module: nn.Module) -> int:
+    stats = getattr(module, "running_mean", None)
+    return -1 if stats is None else stats._version
+
+
+def _refuse_reset(module: nn.Module) -> None:
+    """Raise if held layer ``module``, built with ``momentum=None``, had its statistics reset
+    since the hold began: what ``update_bn`` does before recomputing them, which cannot be told
+    apart from any other forward for such a layer (its momentum is ``None`` all along).
+
+    Only Python reads while nothing wrote ``running_mean``; a write (a reset, a load) reads the
+    count once: a count other than 0 (loaded statistics) becomes the new starting point."""
+    key = id(module)
+    ref, momentum, version = _state.frozen_norms[key]
+    if momentum is not None or _stats_version(module) == version:
+        return
+    if module.num_batches_tracked is None or int(module.num_batches_tracked) != 0:
+        _state.frozen_norms[key] = (ref, momentum, _stats_version(module))
+        return
+    raise RuntimeError(
+        f"The running statistics of {type(module).__name__} (momentum=None) were reset while "
+        "torchstruct holds them (the layer is frozen): with momentum=None, recomputing them "
+        "(torch.optim.swa_utils.update_bn) cannot be told apart from an ordinary forward, so "
+        "they would stay at their reset values. Run update_bn on an AveragedModel or a copy, "
+        "outside the context that freezes the layer, or attach with freeze_norm_stats=False."
+    )
+
+
 def _norm_pre(module: nn.Module, _args) -> None:
     # Only a layer a live state holds, never a copy's; once per forward, also when the layer
     # carries several pairs of these hooks (shared by two models, or a copy attached itself).
     if _held(module) and "_torchstruct_was_training" not in module.__dict__:
+        _refuse_reset(module)
         module.__dict__["_torchstruct_was_training"] = module.training
         module.training = False  # normalize with, and never update, the running statistics
 
