@@ -79,6 +79,17 @@ def _train(call, model, x, y, steps=2, opt=None):
 
 
 # ----------------------------------------------------------------------------- DDP: what trains
+class _OneUseBlocked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, t):
+        with ts.stop_gradient(self.net, "0"):
+            blocked = self.net(t)
+        return blocked + self.net(t)
+
+
 def _ddp_freezing(rank, checks):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -207,12 +218,32 @@ def _ddp_freezing(rank, checks):
         _mse(ddp(xs), ys).backward()  # and the next step is a normal one
         _check(checks, f"{label} with find_unused_parameters: next step averaged",
                _same_on_all_ranks(m[0].weight.grad))
-    m = _model()
-    ddp = DDP(m)
-    with ts.stop_gradient(m, "0"):
+    # ... and with find_unused_parameters=False, DDP would wait for its gradient, leave the
+    # step's gradients local and fail only at the next step: refused at the forward, on every
+    # rank, before any gradient exists; the wrapper trains on normally afterwards
+    for label, block in (("stop_gradient", lambda mm: ts.stop_gradient(mm, "0")),
+                         ("swap", lambda mm: ts.swap(mm, {"0.weight": mm[0].weight.detach() + 1,
+                                                           "0.bias": mm[0].bias.detach()}))):
+        m = _model()
+        ddp = DDP(m)
+        outcome = "no error"
+        try:
+            with block(m):
+                _mse(ddp(xs), ys).backward()
+        except RuntimeError as e:
+            outcome = str(e)
+        _check(checks, f"{label} over every use, find_unused_parameters=False: refused",
+               "'0.weight', '0.bias'" in outcome and "find_unused_parameters=True" in outcome
+               and all(p.grad is None for p in m.parameters()) and all(_flags(m)), outcome)
         _mse(ddp(xs), ys).backward()
-    _check(checks, "xfail stop_gradient over every use, find_unused_parameters=False: averaged",
-           _same_on_all_ranks(m[2].weight.grad), "layer 2's gradient differs between ranks")
+        _check(checks, f"{label} over every use, find_unused_parameters=False: next step averaged",
+               all(_same_on_all_ranks(p.grad) for p in m.parameters()))
+    # a block over one use of two keeps the parameter in the graph: no refusal
+    m = _OneUseBlocked()
+    ddp = DDP(m)
+    _mse(ddp(xs), ys).backward()
+    _check(checks, "stop_gradient over one use of two, find_unused_parameters=False: averaged",
+           all(_same_on_all_ranks(p.grad) for p in m.parameters()))
 
     # UnfreezeSchedule after wrapping everything with find_unused_parameters=True: every
     # stage only freezes what DDP synchronizes, and trains as one process
@@ -467,15 +498,9 @@ def test_ddp_a_parameter_frozen_on_one_rank_only_is_an_error(ddp_checks):
 
 
 @needs_gloo
-@pytest.mark.xfail(strict=True, reason=(
-    "ts.stop_gradient (or ts.swap) over every use of a parameter in a forward of a DDP model "
-    "built with find_unused_parameters=False: DDP's reducer waits for that parameter's gradient, "
-    "so its bucket is never all-reduced; the other gradients of that step silently stay local "
-    "(they differ between the ranks) and only the next forward fails with DDP's generic "
-    "'Expected to have finished reduction'. Expected: a clear error naming the parameter, or "
-    "the averaged gradients. (Documented limitation: use find_unused_parameters=True.)"))
-def test_ddp_stop_gradient_over_every_use_without_find_unused_parameters(ddp_checks):
-    _assert_ok(_part(ddp_checks, "freeze: xfail stop_gradient"), 1)
+def test_ddp_a_block_over_every_use_without_find_unused_parameters_is_refused(ddp_checks):
+    _assert_ok(_part(ddp_checks, "freeze: stop_gradient over"), 3)
+    _assert_ok(_part(ddp_checks, "freeze: swap over"), 2)
 
 
 # ----------------------------------------------------------------------------- FSDP2

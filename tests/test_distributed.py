@@ -159,10 +159,18 @@ def scenario_after_wrapping(rank, checks):
                     model, hint)
     _raises_clearly(checks, "mark_trainable(inner)", lambda: ts.mark_trainable(model, "4"),
                     model, hint)
-    # Block-local tools change no flag: allowed.
-    with ts.stop_gradient(model, "0"):
-        _loss(ddp(xs), ys).backward()
-    _check(checks, "stop_gradient allowed", model[2].weight.grad is not None)
+    # Block-local tools change no flag and need no guard, but one that keeps a synchronized
+    # parameter out of every use makes it unused: refused at the forward, before any gradient.
+    try:
+        with ts.stop_gradient(model, "0"):
+            _loss(ddp(xs), ys).backward()
+        said = "no error"
+    except RuntimeError as e:
+        said = str(e)
+    _check(checks, "stop_gradient over every use refused", "'0.weight', '0.bias'" in said
+           and all(p.grad is None for p in model.parameters()), said)
+    _loss(ddp(xs), ys).backward()  # the wrapper trains on
+    _check(checks, "trains on after the refusal", model[0].weight.grad is not None)
 
     # 2. Unfreezing a parameter DDP does not synchronise: its gradient would silently differ
     #    between ranks. Refused whatever find_unused_parameters is; the fix is to re-wrap.

@@ -93,11 +93,21 @@ def push_stand_in(mode) -> None:
     """Enter ``mode`` (a mode with a true ``stands_in``) on this thread's stack; while this
     thread is lifting them (a block entered by a ``trainable()`` method torchstruct runs), it
     is held lifted with the others and goes on top when the outermost lift ends."""
+    _lifting.pushed = getattr(_lifting, "pushed", 0) + 1
     frames = getattr(_lifting, "frames", None)
     if frames:
         frames[0].append(mode)
     else:
         torch._C._push_on_torch_function_stack(mode)
+
+
+def stand_ins_seen() -> tuple[bool, int]:
+    """``(whether a block with stand-ins is active on this thread, how many such blocks it
+    entered so far)``: taken before and after a forward, they say whether a block may have
+    replaced parameters during it."""
+    active = any(getattr(m, "stands_in", False)
+                 for m in torch.overrides._get_current_function_mode_stack())
+    return active, getattr(_lifting, "pushed", 0)
 
 
 def take_lifted(mode) -> bool:

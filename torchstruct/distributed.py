@@ -18,8 +18,10 @@ synchronizes (the model was wrapped inside the context), a ``RuntimeWarning`` sa
 Declarations and contexts applied *before* wrapping, contexts that leave the synchronized set as
 it is, and the block-local ``stop_gradient``/``constant``/``swap`` (they change no flag) are
 fine. A synchronized parameter that ``stop_gradient`` or ``swap`` keeps out of every use in a
-forward is, to DDP, an unused parameter: that needs ``find_unused_parameters=True`` (otherwise
-DDP does not reduce that step's gradients and fails at the next one), as in plain PyTorch.
+forward is, to DDP, an unused parameter: that needs ``find_unused_parameters=True``, as in plain
+PyTorch. Without it DDP would leave that step's gradients unreduced and fail only at the next
+step, so such a forward is refused at once, naming the parameters (a walk of the autograd graph
+from the outputs, made only when a block was active during the forward).
 ``global_norm`` and ``clip_by_global_norm`` on a DDP model read the gradients after DDP
 averaged them, so they give the global answer on every rank.
 
@@ -46,6 +48,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.parallel import DistributedDataParallel
 
+from . import _state
 from ._state import flag_guards
 
 __all__: list[str] = []
@@ -64,6 +67,75 @@ def _on_module_registered(module: nn.Module, name: str, inner) -> None:
                 continue
             _wrapped[id(p)] = (ref, p.requires_grad)
             weakref.finalize(p, _wrapped.pop, id(p), None)
+        module.register_forward_pre_hook(_before_forward)
+        module.register_forward_hook(_after_forward, always_call=True)
+
+
+def _waits_for_every_gradient(ddp: DistributedDataParallel) -> bool:
+    """Whether this forward prepares a reduction that waits for the gradient of every
+    synchronized parameter (a parameter no use reaches leaves its bucket unreduced)."""
+    return (torch.is_grad_enabled() and ddp.require_backward_grad_sync
+            and not ddp.find_unused_parameters and not getattr(ddp, "static_graph", False)
+            and not getattr(ddp, "_delay_all_reduce_all_params", False)
+            and not torch.compiler.is_compiling())
+
+
+def _before_forward(ddp: DistributedDataParallel, _args) -> None:
+    if _waits_for_every_gradient(ddp):
+        ddp.__dict__["_torchstruct_blocks"] = _state.stand_ins_seen()
+
+
+def _after_forward(ddp: DistributedDataParallel, _args, out) -> None:
+    """Refuse a forward in which a block (``stop_gradient``, ``swap``) took a synchronized
+    parameter out of every use, while the wrapper waits for every gradient: DDP would reduce
+    none of that bucket, leave this step's gradients local, and fail only at the next step."""
+    before = ddp.__dict__.pop("_torchstruct_blocks", None)
+    if before is None or out is None:
+        return
+    after = _state.stand_ins_seen()
+    if not (before[0] or after[0] or before[1] != after[1]):
+        return  # no block could replace anything during this forward
+    with _state.without_stand_ins():  # the parameters' own flags
+        missing = _unreached(ddp, out)
+    if missing:
+        raise RuntimeError(
+            f"No use in this forward of the DistributedDataParallel model reaches "
+            f"{', '.join(repr(p) for p in missing)} (a stop_gradient or swap block replaced "
+            "it in every use): the wrapper was built with find_unused_parameters=False and "
+            "would wait for its gradient, leave this step's gradients unreduced and fail at "
+            "the next step. Build the wrapper with find_unused_parameters=True, or keep a use "
+            "of the parameter outside the block."
+        )
+
+
+def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
+    """Paths of the synchronized parameters that no gradient from ``out`` reaches (a walk of
+    the autograd graph, as DDP's ``find_unused_parameters`` does)."""
+    pending = {}
+    for path, p in ddp.module.named_parameters():
+        hit = _wrapped.get(id(p))
+        if p.requires_grad and hit is not None and hit[1] and hit[0]() is ddp:
+            pending[id(p)] = path
+    roots = [t for t in torch.utils._pytree.tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not roots:
+        return []  # nothing to differentiate: no reduction will start
+    nodes, seen = [], set()
+    for t in roots:
+        if t.grad_fn is None:
+            pending.pop(id(t), None)
+        else:
+            nodes.append(t.grad_fn)
+    while nodes and pending:
+        node = nodes.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            pending.pop(id(variable), None)
+        nodes.extend(n for n, _ in node.next_functions if n is not None)
+    return list(pending.values())
 
 
 def _ddp_problem(path: str, p, flag: bool) -> str | None:
