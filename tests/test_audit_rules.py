@@ -438,12 +438,6 @@ def test_load_state_dict_assign_inside_a_block_selected_by_parameter_object_keep
     assert flags(m) == reads(m) == [True] * 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a parameter unfrozen by hand inside a block, then replaced by load_state_dict("
-    "assign=True) (which carries its flag, True) before any application saw the write: the "
-    "copy is taken as a new parameter, the block's path selector picks it, and the next forward "
-    "freezes it (reads flip to False at once); had any application seen the write first, the "
-    "copy would inherit it and stay trainable. Expected: the write stands for the copy too"))
 def test_a_write_by_hand_survives_load_state_dict_assign_whether_or_not_it_was_seen():
     results = []
     for seen in (False, True):

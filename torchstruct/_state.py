@@ -316,10 +316,28 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
                               or module._modules.get(name) is value):
         return  # the same object registered again (tie_weights): nothing changed
     key = id(module)
+    old = module._parameters.get(name)
     for st in list(states.values()):
         if key in st.module_ids:
+            if old is not None:
+                _date_unread_write(st, old)
             mark_changed(st)
             st.registrations += 1
+
+
+def _date_unread_write(st, old) -> None:
+    """``old``, about to be replaced in state ``st``'s tree, carries a flag someone else wrote
+    that no application read yet: read it now, into its record and into what ``st``'s last
+    application remembers of its paths, so that a copy put in its place (``load_state_dict(
+    assign=True)``, which carries the flag) is recognised as its copy, as it is once read."""
+    hit = records.get(id(old))
+    if hit is None or hit[0]() is not old or old.requires_grad is hit[2]:
+        return
+    start, flag, serial = _read(hit, old)
+    records[id(old)] = (hit[0], start, flag, serial)
+    for path, (_, _, _, ref) in list(st.last.items()):
+        if ref() is old:
+            st.last[path] = (start, flag, serial, ref)
 
 
 _module_mod.register_module_parameter_registration_hook(_on_registered)
