@@ -24,9 +24,12 @@ leaves the mode stack wherever it is in it (a bare block may be exited under a l
 ``constant`` block exits in reverse order of entry (an out-of-order exit raises, nothing
 changed).
 
-Limits: a ``torch.autograd.Function.apply`` call does not pass through torch function modes,
-so a parameter handed *directly* to a custom autograd function is not replaced (operations on it
-before the call are). Modes are thread-local and last while the block is open: a checkpointed
+A ``torch.autograd.Function.apply`` call does not pass through torch function modes: a
+parameter handed *directly* to a custom autograd function is found by the function's forward
+operations instead; inside ``stop_gradient`` (a forward taking ``ctx``) the node's gradient for
+it is cut, elsewhere the call is refused (see ``_Substitute._cut_custom_functions``).
+
+Limits: modes are thread-local and last while the block is open: a checkpointed
 function recomputed during backward must enter the block itself. ``torch.compile`` (torch >= 2.5)
 traces through an active block (the mode's handler is traced); entering or leaving a block
 *inside* a compiled function is a graph break. ``constant`` runs the compiled code's operations
@@ -114,7 +117,57 @@ class _Substitute(TorchFunctionMode):
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
                 new_args is not args or any(new_kwargs[k] is not v for k, v in kwargs.items())):
             self._refuse_recompute()
+            self._cut_custom_functions()
         return func(*new_args, **new_kwargs)
+
+    def _cut_custom_functions(self) -> None:
+        """A parameter handed directly to a custom ``torch.autograd.Function`` running now:
+        ``apply`` passes through no torch function mode, so the function's backward node has
+        an edge to the parameter itself. Its forward's operations see the stand-in (that is how
+        this is found); inside ``stop_gradient`` the node's gradient for the parameter is cut
+        (a hook on the node; the stand-in aliases the parameter, so everything else the node
+        saved is the same), which is exact. Anywhere else it is refused."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            caller = frame.f_back
+            if caller is not None and caller.f_code is _FUNCTION_APPLY:
+                self._cut(frame, caller.f_locals.get("args", ()))
+            frame = caller
+
+    def _cut(self, forward, args) -> None:
+        tensors = [a for a in args if isinstance(a, Tensor)]  # the node's inputs, in order
+        cut = {i for i, a in enumerate(tensors)
+               if (hit := self.table.get(id(a))) is not None and hit[0] is a}
+        if not cut:
+            return
+        code = forward.f_code
+        ctx = forward.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        if isinstance(ctx, torch.autograd.function.BackwardCFunction):
+            edges = ctx.next_functions  # empty when apply records nothing (no_grad)
+            needed = {i for i in cut if edges and edges[i][0] is not None}
+        else:  # a forward without ctx (setup_context): whether apply records is not known
+            with torch._C.DisableTorchFunction():
+                needed = {i for i in cut if tensors[i].requires_grad}
+        if not needed:
+            return
+        if not (self.aliases and isinstance(ctx, torch.autograd.function.BackwardCFunction)):
+            name = getattr(code, "co_qualname", code.co_name)
+            raise RuntimeError(
+                f"{self.kind}: a parameter it replaces is handed directly to the custom "
+                f"autograd function {name} (torch.autograd.Function.apply does not pass through "
+                "torch function modes, so its backward would reach the parameter itself"
+                + (", and what it saved for backward is the parameter, not the stand-in"
+                   if not self.aliases else
+                   "; the function's forward takes no ctx, so its backward node cannot be "
+                   "reached from here") +
+                "). Hand it the replacement yourself inside the block (p.detach() for "
+                "stop_gradient)."
+            )
+        done = ctx.__dict__.setdefault("_torchstruct_cut", set())
+        if needed - done:
+            if not done:
+                ctx.register_hook(_drop_gradients(done))
+            done |= needed
 
     def _refuse_recompute(self) -> None:
         """A stand-in used inside a reentrant checkpoint entered after the block, which will
@@ -130,6 +183,17 @@ class _Substitute(TorchFunctionMode):
                     "the block: its backward recomputes the function after the block has "
                     "exited, without the replacement, so the gradients would be wrong. Enter the "
                     "block inside the checkpointed function, or use use_reentrant=False")
+
+
+def _drop_gradients(positions: set[int]):
+    """A post hook for a custom function's backward node: no gradient for the inputs at
+    ``positions`` (their edges get nothing, as if they had been detached)."""
+    def hook(grad_inputs, _grad_outputs):
+        return tuple(None if i in positions else g for i, g in enumerate(grad_inputs))
+    return hook
+
+
+_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 
 
 def _checkpoint_frames(frame) -> list:
