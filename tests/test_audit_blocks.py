@@ -356,11 +356,6 @@ def test_func_grad_and_vmap_inside_blocks():
     assert torch.equal(got, torch.func.vmap(lambda t: F.linear(t, w, m.bias))(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.func.grad wraps the parameters handed to it (functional_call(model, "
-    "dict(model.named_parameters()))) in new tensor objects, which the block does not recognise: "
-    "inside stop_gradient(m, 'weight') the weight gets a non-zero gradient; expected zeros, as "
-    "with the weight detached by hand"))
 def test_func_grad_over_the_parameters_themselves():
     torch.manual_seed(0)
     m, x = nn.Linear(3, 3), torch.randn(2, 3)
@@ -368,6 +363,33 @@ def test_func_grad_over_the_parameters_themselves():
         g = torch.func.grad(lambda ps: functional_call(m, ps, (x,)).sum())(
             dict(m.named_parameters()))
     assert torch.equal(g["weight"], torch.zeros(3, 3))
+
+
+def test_func_transforms_over_the_parameters_themselves_follow_the_blocks():
+    torch.manual_seed(0)
+    m, x = nn.Linear(3, 2), torch.randn(4, 3)
+    params = dict(m.named_parameters())
+    loss = lambda ps: functional_call(m, ps, (x,)).pow(2).sum()
+    hand = lambda ps: F.linear(x, ps["weight"].detach(), ps["bias"]).pow(2).sum()
+    with ts.stop_gradient(m, "weight"):
+        got = torch.func.grad(loss)(params)
+        jac = torch.func.jacrev(lambda ps: functional_call(m, ps, (x,)))(params)
+        hess = torch.func.hessian(lambda b: loss({"weight": m.weight, "bias": b}))(m.bias)
+    want = torch.func.grad(hand)(params)
+    assert torch.equal(got["weight"], torch.zeros(2, 3)) and torch.allclose(got["bias"], want["bias"])
+    assert torch.equal(jac["weight"], torch.zeros(4, 2, 2, 3))
+    assert torch.allclose(hess, 2 * len(x) * torch.eye(2))
+    # outside the block nothing is cut; a copy of the parameters is not the parameters
+    assert not torch.equal(torch.func.grad(loss)(params)["weight"], torch.zeros(2, 3))
+    with ts.stop_gradient(m, "weight"):
+        copies = {k: v.detach().clone() for k, v in params.items()}
+        assert not torch.equal(torch.func.grad(loss)(copies)["weight"], torch.zeros(2, 3))
+    # swap: the tree's tensor in place of the wrapped parameter, a constant for the transform
+    w = torch.ones(2, 3)
+    with ts.swap(m, {"weight": w}):
+        got = torch.func.grad(loss)(params)
+    want = torch.func.grad(lambda ps: F.linear(x, w, ps["bias"]).pow(2).sum())(params)
+    assert torch.equal(got["weight"], torch.zeros(2, 3)) and torch.allclose(got["bias"], want["bias"])
 
 
 class Mul(torch.autograd.Function):

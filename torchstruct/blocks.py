@@ -44,6 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
+from torch._C import _functorch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -80,6 +81,7 @@ class _Substitute(TorchFunctionMode):
     """
 
     stands_in = True  # lifted while torchstruct works on the parameters (_state.LOCK)
+    wrapped = False  # whether the call being handled runs inside a torch.func transform
     aliases = False  # set by the block: whether the stand-ins share the parameters' memory
 
     def __init__(self, table: dict[int, tuple[Tensor, Callable[[Tensor], Tensor]]],
@@ -94,7 +96,11 @@ class _Substitute(TorchFunctionMode):
     def _sub(self, x):
         if isinstance(x, Tensor):
             hit = self.table.get(id(x))
-            return hit[1](x) if hit is not None and hit[0] is x else x
+            if hit is not None and hit[0] is x:
+                return hit[1](x)
+            if self.wrapped and _functorch.is_functorch_wrapped_tensor(x):
+                return self._sub_wrapped(x)
+            return x
         if isinstance(x, (list, tuple)):
             out = [self._sub(v) for v in x]
             if all(a is b for a, b in zip(out, x)):
@@ -113,6 +119,11 @@ class _Substitute(TorchFunctionMode):
             return func(*args, **kwargs)
         if name == "requires_grad" and sys._getframe(1).f_code in _COPYING:
             return func(*args, **kwargs)  # a copy or a save of the parameter: its own flag
+        # inside torch.func transforms, the parameters may come wrapped (grad over
+        # functional_call(model, dict(model.named_parameters()))); the transform's own
+        # autograd.grad call over those wrappers is left as it is
+        self.wrapped = (torch._C._are_functorch_transforms_active()
+                        and func is not torch.autograd.grad)
         new_args, new_kwargs = self._sub(args), self._sub(kwargs)
         if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
                 new_args is not args or any(new_kwargs[k] is not v for k, v in kwargs.items())):
@@ -168,6 +179,16 @@ class _Substitute(TorchFunctionMode):
             if not done:
                 ctx.register_hook(_drop_gradients(done))
             done |= needed
+
+    def _sub_wrapped(self, x):
+        """``x`` wraps a tensor for a torch.func transform: replaced (at its level: the
+        stand-in of the wrapper, ``x.detach()`` inside ``stop_gradient``) when what it wraps,
+        all levels down, is a replaced parameter."""
+        base = x
+        while _functorch.is_functorch_wrapped_tensor(base):
+            base = _functorch.get_unwrapped(base)
+        hit = self.table.get(id(base))
+        return hit[1](x) if hit is not None and hit[0] is base else x
 
     def _refuse_recompute(self) -> None:
         """A stand-in used inside a reentrant checkpoint entered after the block, which will
