@@ -816,15 +816,31 @@ def test_constant_sparse_parameter_written_directly():
     assert torch.equal(m.s.to_dense(), torch.tensor([1.0, 2.0, 0.0]))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a selected sparse parameter is protected by identity only: a write through an alias "
-    "(p.data.mul_(2)) passes silently and changes it; expected RuntimeError naming the path"))
 def test_constant_sparse_parameter_written_through_data():
     m = nn.Module()
     m.s = nn.Parameter(torch.sparse_coo_tensor([[0, 1]], [1.0, 2.0], (3,)))
     with ts.constant(m), pytest.raises(RuntimeError, match="'s'"):
         m.s.data.mul_(2)
     assert torch.equal(m.s.to_dense(), torch.tensor([1.0, 2.0, 0.0]))
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_constant_sparse_parameter_aliases_are_protected_and_copies_are_free(layout):
+    dense = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
+    m = nn.Module()
+    m.s = nn.Parameter(dense.to_sparse() if layout == "coo" else dense.to_sparse_csr())
+    with ts.constant(m):
+        for alias in (lambda p: p.data, lambda p: p.detach()):
+            with pytest.raises(RuntimeError, match="'s'"):
+                alias(m.s).mul_(2)
+        with torch.no_grad():
+            copy_ = m.s.clone()
+            copy_.mul_(3)  # its own bytes: allowed
+            m.s.values().clone().add_(1)
+            with pytest.raises(RuntimeError, match="'s'"):
+                m.s.values().add_(1)  # the values themselves, strided
+    assert torch.equal(m.s.to_dense(), dense)
+    assert torch.equal(copy_.to_dense(), dense * 3)
 
 
 # --------------------------------------------------------------------------- bad inputs

@@ -441,6 +441,24 @@ def _place(t: Tensor) -> tuple[object, int, int]:
     return memory, start, start + span * t.element_size()
 
 
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _parts(t: Tensor) -> list[Tensor]:
+    """The strided tensors that hold ``t``'s bytes: ``t`` itself, a sparse tensor's indices
+    and values; none for other layouts (recognised by identity only)."""
+    if t.layout == torch.strided:
+        return [t]
+    with torch._C.DisableTorchFunction():
+        return [getattr(t, name)() for name in _SPARSE_PARTS.get(t.layout, ())]
+
+
 class _Guard(TorchDispatchMode):
     """Raise before an aten op writes into a protected byte range."""
 
@@ -451,9 +469,9 @@ class _Guard(TorchDispatchMode):
         for path, p in protected:
             if p.layout != torch.strided:
                 self.others[id(p)] = (p, path)
-                continue
-            memory, lo, hi = _place(p)
-            spans.setdefault(memory, []).append((lo, hi, path))
+            for part in _parts(p):  # a sparse tensor's bytes: its values and indices
+                memory, lo, hi = _place(part)
+                spans.setdefault(memory, []).append((lo, hi, path))
         # per memory: spans sorted by start, their starts, and the running maximum of their ends
         self.spans = {}
         for memory, rows in spans.items():
@@ -469,10 +487,13 @@ class _Guard(TorchDispatchMode):
             return None
         if t.layout != torch.strided:
             other = self.others.get(id(t))
-            return other[1] if other is not None and other[0] is t else None
+            if other is not None and other[0] is t:
+                return other[1]
+            # another tensor object over the same bytes (p.data of a sparse parameter)
+            return next(filter(None, map(self._hit, _parts(t))), None)
         try:
             memory, lo, hi = _place(t)
-        except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses)
+        except (RuntimeError, NotImplementedError):  # no storage (some subclasses)
             return None
         found = self.spans.get(memory)
         if found is None or lo == hi:
