@@ -1,11 +1,11 @@
-"""The one owner of torchstruct's process-wide state: small, locked, and weakly held.
+"""The one owner of torchstruct's process-wide state: small, locked, and owned by the live models.
 
 Everything torchstruct remembers between calls lives here, and nowhere else:
 
-- ``records``: per parameter, its *starting flag*, the flag torchstruct last wrote, and the
-  serial of the newest context or declaration a write by someone else overrides (see below). Kept here, not
-  as attributes of the parameter, so that a copy of a parameter (``deepcopy``, ``torch.save``)
-  carries nothing of ours and behaves as plain PyTorch.
+- ``records``: per parameter, a :class:`Record`: its *starting flag*, the flag torchstruct last
+  wrote, and the serial of the newest context or declaration a write by someone else overrides
+  (see below). Kept here, not as attributes of the parameter, so that a copy of a parameter
+  (``deepcopy``, ``torch.save``) carries nothing of ours and behaves as plain PyTorch.
 - ``states``: the attached models (roots), keyed by ``id``; each :class:`~torchstruct.hooks.State`
   holds its root weakly.
 - ``entries``: the active contexts of every model, outermost (oldest) first. Each context (and
@@ -17,11 +17,22 @@ Everything torchstruct remembers between calls lives here, and nowhere else:
 - ``frozen_norms``: the normalization layers whose running statistics are held right now.
 - ``flag_guards``: callbacks consulted before flags change (``torchstruct.distributed``).
 
+**No weak reference to a parameter.** ``torch.utils.swap_tensors`` (what ``module.to()``,
+``.half()`` and ``load_state_dict`` use for tensor-subclass parameters, or under
+``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that has one,
+and it keeps the parameter's identity (the same Python object, new contents): everything
+here follows the object. A :class:`Record` holds its parameter strongly, and is owned by the
+attached trees: it exists while the parameter is in one (it is written at each application),
+and is emptied (:func:`forget`) at the application after the parameter left every attached tree,
+or when the last model holding it is collected. A model is held weakly (modules may be), so a
+dropped model and its parameters are freed. Other tables refer to parameters by ``id`` together
+with their :class:`Record` (an emptied record matches no parameter), never by a reference of
+their own that outlives it.
+
 Every change of these happens under :data:`LOCK` (re-entrant), so contexts entered and left
 from several threads compose as if they ran one after another. While a thread holds it, the
 stand-ins of its ``stop_gradient`` / ``swap`` blocks are lifted (:func:`without_stand_ins`):
-flags are read and written on the parameters themselves. Nothing here keeps a model or a
-parameter alive.
+flags are read and written on the parameters themselves.
 
 A registration anywhere in the process (``register_parameter``, ``add_module``, attribute
 assignment) marks *only the attached trees that contain the module registered into* as
@@ -158,10 +169,22 @@ class _Lock:
 
 LOCK = _Lock()
 
-# id(parameter) -> (weakref to it, starting flag, flag torchstruct last wrote, serial of the
-# newest context or declaration that does not apply to it because someone else wrote its flag
-# after it was made)
-records: dict[int, tuple[weakref.ref, bool, bool, int]] = {}
+class Record:
+    """What torchstruct remembers of one parameter ``p``: its starting flag (``base``), the
+    flag torchstruct last wrote (``written``), and the serial of the newest context or
+    declaration that does not apply to it because someone else wrote its flag after it was
+    made (``since``). Holds ``p`` while torchstruct follows it; :func:`forget` empties it
+    (``p`` None), so that tables still holding the record hold nothing of the parameter."""
+
+    __slots__ = ("p", "base", "written", "since")
+
+    def __init__(self, p, base: bool, written: bool, since: int) -> None:
+        self.p, self.base, self.written, self.since = p, base, written, since
+
+
+# id(parameter) -> its Record (see above): only parameters of attached trees, and those that
+# left one until the application that gives them their flag back
+records: dict[int, Record] = {}
 
 # id(root) -> State (see torchstruct.hooks); a State holds its root weakly
 states: dict = {}
@@ -187,7 +210,7 @@ def next_serial() -> int:
 
 def _snapshot(table: dict) -> list:
     """``table``'s items; a weakref callback run by garbage collection while they are listed
-    may remove one (records of dead parameters): list them again then."""
+    may remove one (a collected model's records): list them again then."""
     while True:
         try:
             return list(table.items())
@@ -195,13 +218,22 @@ def _snapshot(table: dict) -> list:
             continue
 
 
+def forget_decisions(ids: set[int]) -> None:
+    """The active contexts forget what they decided for the parameters ``ids`` (forgotten:
+    they left every attached tree). Under the lock, never in a weakref callback."""
+    if ids:
+        for entry in list(entries):
+            if not ids.isdisjoint(entry.decided):
+                entry.decided = {k: v for k, v in entry.decided.items() if k not in ids}
+
+
 def note_writes() -> None:
     """Read every flag someone else wrote since torchstruct last wrote it (see
     :func:`current`), so that the write is dated now."""
-    for key, hit in _snapshot(records):
-        p = hit[0]()
-        if p is not None and p.requires_grad is not hit[2]:
-            records[key] = (hit[0], *_read(hit, p))
+    for _, hit in _snapshot(records):
+        p = hit.p
+        if p is not None and p.requires_grad is not hit.written:
+            hit.base, hit.written, hit.since = _read(hit, p)
 
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began): layers whose
 # running statistics are held now
@@ -218,10 +250,15 @@ flag_guards: list = []
 def record(p) -> tuple[bool, bool, int] | None:
     """``(starting flag, flag last written, overridden-through serial)`` of parameter ``p``, or
     None if never written."""
+    hit = handle(p)
+    return None if hit is None else (hit.base, hit.written, hit.since)
+
+
+def handle(p) -> Record | None:
+    """The :class:`Record` of parameter ``p`` (the same object for as long as torchstruct
+    follows ``p``), or None."""
     hit = records.get(id(p))
-    if hit is None or hit[0]() is not p:
-        return None
-    return hit[1], hit[2], hit[3]
+    return hit if hit is not None and hit.p is p else None
 
 
 def current(p) -> tuple[bool, int] | None:
@@ -231,39 +268,33 @@ def current(p) -> tuple[bool, int] | None:
     The one place the rule lives: a flag different from the one torchstruct last wrote was
     written by someone else after everything up to ``applied_through``; it becomes the starting
     flag, and those contexts and declarations no longer apply to ``p``."""
-    hit = records.get(id(p))
-    if hit is None or hit[0]() is not p:
-        return None
-    return _read(hit, p)[::2]
+    hit = handle(p)
+    return None if hit is None else _read(hit, p)[::2]
 
 
-def _read(hit: tuple, p) -> tuple[bool, bool, int]:
+def _read(hit: Record, p) -> tuple[bool, bool, int]:
     """``(starting flag, flag now, overridden-through serial)`` of ``p`` from its record."""
-    if p.requires_grad is hit[2]:
-        return hit[1], hit[2], hit[3]
+    if p.requires_grad is hit.written:
+        return hit.base, hit.written, hit.since
     return p.requires_grad, p.requires_grad, applied_through
 
 
-def _forget_dead(ref: weakref.ref, key: int) -> None:
-    hit = records.get(key)
-    if hit is not None and hit[0] is ref:
-        del records[key]
-
-
-def set_record(p, base: bool, written: bool, since: int = 0) -> None:
-    hit = records.get(id(p))
-    if hit is not None and hit[0]() is p:
-        ref = hit[0]
+def set_record(p, base: bool, written: bool, since: int = 0) -> Record:
+    """Write ``p``'s record (its :class:`Record`, made the first time); returns it."""
+    hit = handle(p)
+    if hit is None:
+        hit = records[id(p)] = Record(p, base, written, since)
     else:
-        key = id(p)
-        ref = weakref.ref(p, lambda r, key=key: _forget_dead(r, key))
-    records[id(p)] = (ref, base, written, since)
+        hit.base, hit.written, hit.since = base, written, since
+    return hit
 
 
 def forget(p) -> None:
-    hit = records.get(id(p))
-    if hit is not None and hit[0]() is p:
+    """Forget ``p``'s record and empty it (tables still holding it no longer hold ``p``)."""
+    hit = handle(p)
+    if hit is not None:
         del records[id(p)]
+        hit.p = None
 
 
 # ----------------------------------------------------------------------------- states

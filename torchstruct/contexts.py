@@ -49,10 +49,14 @@ class Entry:
     # the registrations into the tree while the context was active
     registrations: int = 0
     serial: int = 0  # set when pushed: later contexts have larger serials
-    # weakref to a parameter -> whether the selectors pick it. Keyed by the reference, not the
-    # id: a dead parameter's key never equals a live one's that reuses its id.
+    # id of a parameter -> (the parameter, whether the selectors pick it). The parameter is
+    # held, so its id is never reused meanwhile; a decision is dropped when torchstruct forgets
+    # the parameter (it left every attached tree: _state.forget_decisions), when the scope is
+    # collected, and when the context ends. No weak reference: torch.utils.swap_tensors
+    # refuses a tensor that has one.
     decided: dict = field(default_factory=dict)
-    # the governing state's members and last application when entered (see hooks.State)
+    # the governing state's members and last application when entered (see hooks.State; the
+    # records they hold are emptied when torchstruct forgets a parameter)
     present: dict = field(default_factory=dict)
     present_paths: dict = field(default_factory=dict)
 
@@ -61,7 +65,9 @@ class Entry:
         """Record what the selectors pick among ``params`` of ``scope`` (indexed as ``idx``);
         a callable selector is asked about these only."""
         if len(self.decided) > 2 * len(idx.params) + 64:  # forget parameters that are gone
-            self.decided = {r: v for r, v in self.decided.items() if r() is not None}
+            here = {id(p) for p in idx.params}
+            self.decided = {k: v for k, v in self.decided.items()
+                            if k in here or _state.handle(v[0]) is not None}
         if len(params) < len(idx.params):
             asked = {id(p) for p in params}
             rows = [(p, ps) for p, ps in zip(idx.params, idx.paths) if id(p) in asked]
@@ -69,7 +75,7 @@ class Entry:
                              idx.modules, idx.module_objects)
         chosen = {id(p) for _, p in select(scope, *self.selectors, strict=strict, idx=idx)}
         for p in params:
-            self.decided[weakref.ref(p)] = id(p) in chosen
+            self.decided[id(p)] = (p, id(p) in chosen)
 
     def selected(self, scope: nn.Module, idx: ParamIndex, params: list, starts: dict) -> set[int]:
         """Ids of ``params`` the selectors pick, deciding for those seen the first time."""
@@ -77,21 +83,26 @@ class Entry:
             return {id(p) for p in params}
         out, new = set(), []
         for p in params:
-            ref = weakref.ref(p)
-            hit = self.decided.get(ref)
+            hit = self.decided.get(id(p))
             if hit is None:
-                source = starts[id(p)][2]  # the parameter p is a copy of, decided before
-                hit = self.decided.get(source) if source is not None else None
-                if hit is None:
+                source = starts[id(p)][2]  # the record of the parameter p is a copy of
+                was = source.p if source is not None else None
+                hit = self.decided.get(id(was)) if was is not None else None
+                if hit is None or hit[0] is not was:
                     new.append(p)
                     continue
-                self.decided[ref] = hit
-            if hit:
+                hit = self.decided[id(p)] = (p, hit[1])
+            if hit[1]:
                 out.add(id(p))
         if new:
             self.decide(scope, idx, new)
-            out.update(id(p) for p in new if self.decided[weakref.ref(p)])
+            out.update(id(p) for p in new if self.decided[id(p)][1])
         return out
+
+    def end(self) -> None:
+        """The context ended (or its scope was collected): drop what it holds of the
+        parameters."""
+        self.decided, self.present, self.present_paths = {}, {}, {}
 
     def fold(self, flags: dict[int, bool], starts: dict, root: nn.Module,
              root_index: ParamIndex) -> None:
@@ -114,6 +125,19 @@ class Entry:
                 flags[i] = False
             elif self.kind == "unfreeze" and i in chosen:
                 flags[i] = True
+
+
+def _scope_of(entry: Entry, model: nn.Module) -> weakref.ref:
+    """A weak reference to ``model`` (the scope of ``entry``) that ends the entry when the
+    model is collected: its decisions then hold none of the model's parameters."""
+    entry_ref = weakref.ref(entry)
+
+    def ended(_model: weakref.ref) -> None:
+        e = entry_ref()
+        if e is not None:
+            e.end()
+
+    return weakref.ref(model, ended)
 
 
 def _swapped(entries: list, olds: list, news: list) -> list:
@@ -180,9 +204,12 @@ def pop(entry: Entry) -> None:
         _drop_dead()
         scope = entry.scope()
         registrations = hooks.state_for(scope).registrations if scope is not None else 0
-        changes = _apply_around(entry, refuse=False)
-        grown = registrations != entry.registrations
-        born = _born_frozen(entry) if grown else []
+        try:
+            changes = _apply_around(entry, refuse=False)
+            grown = registrations != entry.registrations
+            born = _born_frozen(entry) if grown else []
+        finally:
+            entry.end()
     if grown:
         _warn_undone(entry, [path for path, _, flag in changes if flag], born)
 
@@ -215,6 +242,8 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
         _state.applied_through = max([_state.applied_through] + [e.serial for e in news])
         for entry in news:
             _remember_present(entry)
+        for entry in olds:
+            entry.end()
     if old is not None:
         old._active = False
     if new is not None:
@@ -239,12 +268,12 @@ def _born_frozen(entry: Entry) -> list[str]:
         return []
     inside = {id(p) for p in scope.parameters()}
     out = []
-    for path, (base, flag, _, ref) in hooks.state_for(scope).last.items():
-        p = ref()
+    for path, (base, flag, _, rec) in hooks.state_for(scope).last.items():
+        p = rec.p
         if p is None or id(p) not in inside or base or flag:
             continue
         was = entry.present.get(id(p))
-        if was is not None and was() is p:
+        if was is not None and was.p is p:
             continue
         before = entry.present_paths.get(path)
         if before is None or before[0]:  # new, not a copy of a parameter frozen before
@@ -430,12 +459,8 @@ class _FlagContext(_Context):
             if self.needs_selector:
                 raise TypeError(f"{type(self).__name__} needs at least one selector")
             selectors = []  # the whole of ``model`` (an empty tuple means that to Entry)
-        self._entry = Entry(
-            self.kind,
-            weakref.ref(model),  # a permanent context ends with its model
-            tuple(selectors),
-            self._kwargs["freeze_norm_stats"],
-        )
+        self._entry = Entry(self.kind, None, tuple(selectors), self._kwargs["freeze_norm_stats"])
+        self._entry.scope = _scope_of(self._entry, model)  # a permanent context ends with it
         if selectors:  # decided now for the parameters present; raises before any change
             idx = index(model)
             self._entry.decide(model, idx, list(idx.params), self._kwargs["strict"])

@@ -38,17 +38,21 @@ _NORM_OPTION = "_torchstruct_freeze_norm_stats"  # attribute on a module: attach
 
 @dataclass(eq=False)
 class State:
-    """What torchstruct keeps for one attached model (the root, held weakly)."""
+    """What torchstruct keeps for one attached model (the root, held weakly; its parameters
+    through their records, see :class:`torchstruct._state.Record`)."""
 
     root: weakref.ref
     dirty: bool = True  # the root's tree changed since the last application
     registrations: int = 0  # registrations into the tree, ever (contexts compare it)
     module_ids: frozenset = frozenset()  # the tree's modules at the last application
-    # path -> (starting flag, flag written, serial, weakref to the parameter) at the last
+    # path -> (starting flag, flag written, serial, record of the parameter) at the last
     # application
     last: dict = field(default_factory=dict)
-    # id -> weakref of the parameters at the last application
+    # id -> record of the parameters at the last application
     members: dict = field(default_factory=dict)
+    # id -> record of the parameters that left the tree but are held by the scope of an active
+    # context (a block on a module that left): released at the first application after it ends
+    kept: dict = field(default_factory=dict)
     hook: object = None
     norm_hooks: dict = field(default_factory=dict)  # id(layer) -> (weakref, [handles])
 
@@ -94,12 +98,13 @@ class State:
                     )
             for guard in _state.flag_guards if changes else ():
                 guard(changes, refuse)
+            members = {}
             for path, p, flag in new:
                 if p.requires_grad is not flag:
                     p.requires_grad_(flag)
-                _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
-            self._release_leavers({id(p) for p in idx.params})
-            self.members = {id(p): weakref.ref(p) for p in idx.params}
+                members[id(p)] = _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
+            self._release_leavers(members)
+            self.members = members
             self.last = {
                 path: (starts[id(p)][0], flag, starts[id(p)][1], self.members[id(p)])
                 for path, p, flag in new
@@ -113,15 +118,20 @@ class State:
                 raise error
             return changes
 
-    def _release_leavers(self, now: set[int]) -> None:
-        leavers = {k: r for k, r in self.members.items() if k not in now}
+    def _release_leavers(self, now: dict) -> None:
+        """The parameters of the last application (and those kept) not in ``now`` left the
+        tree: they get their starting flag back and are forgotten, unless another attached
+        model holds them, or the scope of an active context (kept until it ends)."""
+        leavers = {k: r for k, r in {**self.kept, **self.members}.items() if k not in now}
         if not leavers:
+            self.kept = {}
             return
         held = {i for st in _state.live_states() if st is not self for i in st.live_members()}
         scoped = {  # an active block on a module that left keeps its parameters until it exits
             id(p) for e in _state.entries if (s := e.scope()) is not None for p in s.parameters()
         }
-        _release(leavers, held | scoped)
+        self.kept = {k: r for k, r in leavers.items() if k in scoped and r.p is not None}
+        _state.forget_decisions(_release(leavers, held | scoped))
 
     def release(self) -> None:
         """The root is gone: its parameters that live on (a kept submodule) and its norm layers
@@ -132,14 +142,15 @@ class State:
         for st in others:
             if not st.live_members().isdisjoint(mine):
                 _state.mark_changed(st)
-        _release(self.members, {i for st in others for i in st.live_members()})
-        self.members = {}
+        _release({**self.kept, **self.members}, {i for st in others for i in st.live_members()})
+        self.members, self.kept, self.last = {}, {}, {}
         self.uninstall()
 
     def live_members(self) -> set[int]:
-        """Ids of the parameters of the last application that are still alive (an id of a dead
-        one may belong to another object by now)."""
-        return {i for i, ref in self.members.items() if ref() is not None}
+        """Ids of the parameters of the last application that torchstruct still follows (a
+        forgotten record holds no parameter, and its id may belong to another object by
+        now)."""
+        return {i for i, rec in self.members.items() if rec.p is not None}
 
     # -- hooks
     def install(self) -> None:
@@ -230,17 +241,23 @@ def _frozen_by_us(p) -> bool:
     return rec is not None and rec[0] and not rec[1] and not p.requires_grad
 
 
-def _release(members: dict, keep: set[int]) -> None:
-    """Give the parameters in ``members`` (id -> weakref), except ``keep``, their starting flag
-    back, unless someone else wrote their flag since; forget their records."""
-    for key, ref in list(members.items()):
-        p = ref()
+def _release(members: dict, keep: set[int]) -> set[int]:
+    """Give the parameters in ``members`` (id -> record), except ``keep``, their starting flag
+    back, unless someone else wrote their flag since; forget their records.
+
+    Returns:
+        The ids of the parameters forgotten."""
+    out = set()
+    for key, hit in list(members.items()):
+        p = hit.p
         if p is None or key in keep:
             continue
         rec = _state.record(p)
         if rec is not None and p.requires_grad is rec[1] and rec[0] is not rec[1]:
             p.requires_grad_(rec[0])
         _state.forget(p)
+        out.add(key)
+    return out
 
 
 def _released_when_dead(state: weakref.ref):
@@ -360,6 +377,7 @@ def state_for(module: nn.Module) -> State:
         other.uninstall()
         _state.states.pop(id(other.root()), None)
         st.members.update(other.members)  # released at the first application if gone
+        st.kept.update(other.kept)
     _state.states[id(module)] = st
     try:
         st.install()
