@@ -406,3 +406,22 @@ def test_a_context_on_a_module_that_left_holds_its_parameters_only_while_it_can_
     gc.collect()
     assert all(t.expired() for t in tensors)
     assert all(flags(m)) and no_weakrefs(m)
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
+def test_a_model_collected_inside_a_torch_func_transform_releases_its_parameters_quietly():
+    """The model dies inside ``torch.func.grad``, which refuses ``requires_grad_()``: the
+    kept layer still gets its flags back, and nothing is raised from the collection."""
+    kept = nn.Linear(3, 3)
+    box = [nn.Sequential(kept, nn.Linear(3, 1))]
+    ts.freeze(box[0], "0")
+    assert not any(flags(kept))
+
+    def loss(inp):
+        box.clear()  # the model's last reference: collected here, inside the transform
+        return inp.pow(2).sum()
+
+    g = torch.func.grad(loss)(torch.ones(2))
+    gc.collect()
+    assert torch.equal(g, torch.full((2,), 2.0))
+    assert all(flags(kept)) and _state.record(kept.weight) is None

@@ -136,13 +136,20 @@ class State:
     def release(self) -> None:
         """The root is gone: its parameters that live on (a kept submodule) and its norm layers
         become plain PyTorch again; other attached models holding some re-apply at their next
-        forward. Runs as a weakref callback: no lock taken, ``states`` not changed."""
+        forward. Runs as a weakref callback: no lock taken, ``states`` not changed.
+
+        The parameters are still held here (by their records, and by the dying tree, which
+        Python clears after this callback), so every one of them gets its flag back, also
+        those about to be freed. A callback may run anywhere (garbage collection), also
+        inside a ``torch.func`` transform, which refuses ``requires_grad_()``: the flags are
+        written as attributes, and an error is never raised from here."""
         others = [st for st in list(_state.states.values()) if st is not self and st.root()]
         mine = self.live_members()
         for st in others:
             if not st.live_members().isdisjoint(mine):
                 _state.mark_changed(st)
-        _release({**self.kept, **self.members}, {i for st in others for i in st.live_members()})
+        _release({**self.kept, **self.members}, {i for st in others for i in st.live_members()},
+                 in_callback=True)
         self.members, self.kept, self.last = {}, {}, {}
         self.uninstall()
 
@@ -241,9 +248,10 @@ def _frozen_by_us(p) -> bool:
     return rec is not None and rec[0] and not rec[1] and not p.requires_grad
 
 
-def _release(members: dict, keep: set[int]) -> set[int]:
+def _release(members: dict, keep: set[int], in_callback: bool = False) -> set[int]:
     """Give the parameters in ``members`` (id -> record), except ``keep``, their starting flag
-    back, unless someone else wrote their flag since; forget their records.
+    back, unless someone else wrote their flag since; forget their records. With
+    ``in_callback`` (see :meth:`State.release`) nothing raises.
 
     Returns:
         The ids of the parameters forgotten."""
@@ -254,7 +262,13 @@ def _release(members: dict, keep: set[int]) -> set[int]:
             continue
         rec = _state.record(p)
         if rec is not None and p.requires_grad is rec[1] and rec[0] is not rec[1]:
-            p.requires_grad_(rec[0])
+            if not in_callback:
+                p.requires_grad_(rec[0])
+            else:
+                try:
+                    p.requires_grad = rec[0]
+                except Exception:  # noqa: BLE001 - never raise from garbage collection
+                    pass
         _state.forget(p)
         out.add(key)
     return out
