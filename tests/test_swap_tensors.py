@@ -425,3 +425,37 @@ def test_a_model_collected_inside_a_torch_func_transform_releases_its_parameters
     gc.collect()
     assert torch.equal(g, torch.full((2,), 2.0))
     assert all(flags(kept)) and _state.record(kept.weight) is None
+
+
+def test_a_block_on_a_module_taken_out_of_a_collected_model_holds_until_it_ends():
+    box = [net()]
+    ts.attach(box[0])
+    sub = box[0][0]
+    with ts.freeze(sub):
+        box[0][0] = nn.Linear(3, 4)
+        box[0](x())  # sub left the model; the block still holds it
+        box.clear()
+        gc.collect()  # the model is collected while the block is active
+        assert not any(flags(sub))
+        sub(x())
+        assert not any(flags(sub))
+    assert all(flags(sub)) and no_weakrefs(sub)
+    tensors = [_alive(p) for p in sub.parameters()]
+    del sub
+    gc.collect()
+    assert all(t.expired() for t in tensors)
+
+
+def test_a_block_on_a_part_of_a_collected_model_holds_the_part_until_it_ends():
+    box = [net()]
+    ts.attach(box[0])
+    sub = box[0][0]
+    with ts.freeze(sub):
+        box.clear()
+        gc.collect()  # the model is collected; its first layer lives on, inside the block
+        assert not any(flags(sub))
+    assert all(flags(sub)) and no_weakrefs(sub)
+    tensors = [_alive(p) for p in sub.parameters()]
+    del sub
+    gc.collect()
+    assert all(t.expired() for t in tensors)

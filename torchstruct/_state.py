@@ -25,9 +25,11 @@ here follows the object. A :class:`Record` holds its parameter strongly, and is 
 attached trees: it exists while the parameter is in one (it is written at each application),
 and is emptied (:func:`forget`) at the application after the parameter left every attached tree,
 or when the last model holding it is collected. A model is held weakly (modules may be), so a
-dropped model and its parameters are freed. Other tables refer to parameters by ``id`` together
-with their :class:`Record` (an emptied record matches no parameter), never by a reference of
-their own that outlives it.
+dropped model and its parameters are freed. The other tables that know a parameter hold its
+record (a state's last application, what a context found when it was entered: an emptied record
+matches no parameter), or hold the parameter for no longer than its record lives (a context's
+decisions: :func:`forget_decisions`, dropped too when the context ends or its model is
+collected).
 
 Every change of these happens under :data:`LOCK` (re-entrant), so contexts entered and left
 from several threads compose as if they ran one after another. While a thread holds it, the

@@ -59,6 +59,9 @@ class Entry:
     # records they hold are emptied when torchstruct forgets a parameter)
     present: dict = field(default_factory=dict)
     present_paths: dict = field(default_factory=dict)
+    # id -> record of the parameters that left their attached tree while the scope held them
+    # (a block on a module that was taken out): held for the block, released when it ends
+    kept: dict = field(default_factory=dict)
 
     def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False
                ) -> None:
@@ -99,10 +102,11 @@ class Entry:
             out.update(id(p) for p in new if self.decided[id(p)][1])
         return out
 
-    def end(self) -> None:
-        """The context ended (or its scope was collected): drop what it holds of the
-        parameters."""
+    def end(self, in_callback: bool = False) -> None:
+        """The context ended (or, ``in_callback``, its scope was collected): drop what it
+        holds of the parameters, and release those it kept."""
         self.decided, self.present, self.present_paths = {}, {}, {}
+        hooks.release_kept(self, in_callback)
 
     def fold(self, flags: dict[int, bool], starts: dict, root: nn.Module,
              root_index: ParamIndex) -> None:
@@ -135,7 +139,7 @@ def _scope_of(entry: Entry, model: nn.Module) -> weakref.ref:
     def ended(_model: weakref.ref) -> None:
         e = entry_ref()
         if e is not None:
-            e.end()
+            e.end(in_callback=True)
 
     return weakref.ref(model, ended)
 
@@ -191,7 +195,10 @@ def push(entry: Entry) -> None:
             _apply_around(entry)
         except BaseException:
             _state.entries.remove(entry)
-            _apply_around(entry, refuse=False)
+            try:
+                _apply_around(entry, refuse=False)
+            finally:
+                entry.end()
             raise
         _state.applied_through = entry.serial
         _remember_present(entry)
@@ -237,7 +244,11 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
             _apply_around(anchor)
         except BaseException:
             _state.entries[:] = saved
-            _apply_around(anchor, refuse=False)
+            try:
+                _apply_around(anchor, refuse=False)
+            finally:
+                for entry in news:
+                    entry.end()
             raise
         _state.applied_through = max([_state.applied_through] + [e.serial for e in news])
         for entry in news:

@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.parallel import DistributedDataParallel
 
-from ._state import flag_guards
+from ._state import _snapshot, flag_guards
 
 __all__: list[str] = []
 
@@ -58,7 +58,8 @@ _wrapped: dict[int, tuple[weakref.ref, bool, object]] = {}
 
 
 def _forget_wrapper(ref: weakref.ref) -> None:
-    for key, hit in list(_wrapped.items()):
+    """A DDP wrapper was collected: forget its parameters (runs as a weakref callback)."""
+    for key, hit in _snapshot(_wrapped):
         if hit[0] is ref:
             _wrapped.pop(key, None)
 

@@ -50,9 +50,6 @@ class State:
     last: dict = field(default_factory=dict)
     # id -> record of the parameters at the last application
     members: dict = field(default_factory=dict)
-    # id -> record of the parameters that left the tree but are held by the scope of an active
-    # context (a block on a module that left): released at the first application after it ends
-    kept: dict = field(default_factory=dict)
     hook: object = None
     norm_hooks: dict = field(default_factory=dict)  # id(layer) -> (weakref, [handles])
 
@@ -119,24 +116,20 @@ class State:
             return changes
 
     def _release_leavers(self, now: dict) -> None:
-        """The parameters of the last application (and those kept) not in ``now`` left the
-        tree: they get their starting flag back and are forgotten, unless another attached
-        model holds them, or the scope of an active context (kept until it ends)."""
-        leavers = {k: r for k, r in {**self.kept, **self.members}.items() if k not in now}
-        if not leavers:
-            self.kept = {}
-            return
-        held = {i for st in _state.live_states() if st is not self for i in st.live_members()}
-        scoped = {  # an active block on a module that left keeps its parameters until it exits
-            id(p) for e in _state.entries if (s := e.scope()) is not None for p in s.parameters()
-        }
-        self.kept = {k: r for k, r in leavers.items() if k in scoped and r.p is not None}
-        _state.forget_decisions(_release(leavers, held | scoped))
+        """The parameters of the last application not in ``now`` left the tree: they get their
+        starting flag back and are forgotten, unless another attached model holds them, or the
+        scope of an active context (a block on a module that was taken out), which keeps them
+        until it ends (:func:`release_kept`)."""
+        leavers = {k: r for k, r in self.members.items() if k not in now}
+        if leavers:
+            held = {i for st in _state.live_states() if st is not self for i in st.live_members()}
+            _release_unheld(leavers, held, in_callback=False)
 
     def release(self) -> None:
         """The root is gone: its parameters that live on (a kept submodule) and its norm layers
-        become plain PyTorch again; other attached models holding some re-apply at their next
-        forward. Runs as a weakref callback: no lock taken, ``states`` not changed.
+        become plain PyTorch again, except those an active context's scope holds (until it
+        ends); other attached models holding some re-apply at their next forward. Runs as a
+        weakref callback: no lock taken, ``states`` not changed.
 
         The parameters are still held here (by their records, and by the dying tree, which
         Python clears after this callback), so every one of them gets its flag back, also
@@ -148,9 +141,9 @@ class State:
         for st in others:
             if not st.live_members().isdisjoint(mine):
                 _state.mark_changed(st)
-        _release({**self.kept, **self.members}, {i for st in others for i in st.live_members()},
-                 in_callback=True)
-        self.members, self.kept, self.last = {}, {}, {}
+        _release_unheld(self.members, {i for st in others for i in st.live_members()},
+                        in_callback=True)
+        self.members, self.last = {}, {}
         self.uninstall()
 
     def live_members(self) -> set[int]:
@@ -274,6 +267,46 @@ def _release(members: dict, keep: set[int], in_callback: bool = False) -> set[in
     return out
 
 
+def _scoping(skip=None) -> dict:
+    """id of a parameter -> the first active context (other than ``skip``) whose scope holds
+    it. Reads modules only: safe in a weakref callback."""
+    out: dict = {}
+    for entry in list(_state.entries):
+        scope = entry.scope() if entry is not skip else None
+        if scope is not None:
+            for p in scope.parameters():
+                out.setdefault(id(p), entry)
+    return out
+
+
+def _release_unheld(leavers: dict, held: set[int], in_callback: bool, skip=None) -> None:
+    """Release ``leavers`` (id -> record, parameters that left a tree), except those in
+    ``held`` (another attached model holds them: theirs now) and those in the scope of an
+    active context, which keeps them until it ends."""
+    scoping = _scoping(skip)
+    for key, rec in leavers.items():
+        entry = scoping.get(key)
+        if key not in held and entry is not None and rec.p is not None:
+            entry.kept.setdefault(key, rec)
+    released = _release(leavers, held | set(scoping), in_callback)
+    if not in_callback:
+        _state.forget_decisions(released)
+
+
+def release_kept(entry, in_callback: bool = False) -> None:
+    """``entry`` (a context) ended, or its scope was collected: the parameters it kept (they
+    left their tree while its scope held them) are released, unless an attached model holds
+    them now (the scope itself, attached when the context was left) or another active
+    context's scope does. With ``in_callback`` nothing raises and no state is dropped."""
+    kept, entry.kept = entry.kept, {}
+    if not kept:
+        return
+    live = ([st for st in list(_state.states.values()) if st.root() is not None]
+            if in_callback else _state.live_states())
+    held = {i for st in live for i in st.live_members()}
+    _release_unheld(kept, held, in_callback, skip=entry)
+
+
 def _released_when_dead(state: weakref.ref):
     def callback(_root: weakref.ref) -> None:
         st = state()
@@ -391,7 +424,6 @@ def state_for(module: nn.Module) -> State:
         other.uninstall()
         _state.states.pop(id(other.root()), None)
         st.members.update(other.members)  # released at the first application if gone
-        st.kept.update(other.kept)
     _state.states[id(module)] = st
     try:
         st.install()
