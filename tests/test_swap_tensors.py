@@ -364,9 +364,25 @@ def test_parameters_that_left_the_tree_are_freed_at_the_next_application():
     gc.collect()
     assert all(t.expired() for t in old)
     entry = next(e for e in _state.entries if e.scope() is m)
-    assert len(entry.decided) == 8 and len(_state.records) >= 8
-    here = {id(p) for p in m.parameters()}
-    assert all(k in here for k in entry.decided)
+    held = [v[0] for v in entry.decided.values() if isinstance(v[0], torch.Tensor)]
+    assert sorted(map(id, held)) == sorted(id(p) for p in m.parameters())
+
+
+def test_a_parameter_that_left_and_came_back_keeps_what_the_context_decided():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    ts.attach(m)
+    said = pytest.warns(ts.RestoredFlagsWarning, match="'2.weight', '2.bias'")  # (a layer
+    with said, ts.freeze(m, "1"):  # was added inside the block: leaving it says so)
+        layer = m[1]
+        del m[1]  # "1" now names the last layer, which the block did not pick
+        ts.attach(m)  # an application: the layer left, it gets its flag back
+        assert all(flags(layer)) and all(flags(m)) and no_weakrefs(layer)
+        m.append(layer)  # back, at "2": still picked by the block
+        m.to(torch.float64)
+        ts.attach(m)
+        assert flags(m) == [True, True, True, True, False, False] == reads(m)
+    assert all(flags(m)) and no_weakrefs(m)
 
 
 def test_a_model_kept_only_by_a_copy_is_independent(swapping):

@@ -220,13 +220,39 @@ def _snapshot(table: dict) -> list:
             continue
 
 
+class Left:
+    """What a context keeps of a parameter torchstruct forgot (it left every attached tree),
+    so that the parameter keeps what the context decided for it if it comes back, without
+    keeping it alive: a C++ weak reference to its tensor (``torch._C._WeakTensorRef``; not a
+    Python weak reference, which ``torch.utils.swap_tensors`` refuses) and the tensor's
+    address. The object at the parameter's ``id`` that holds that very tensor, still alive, is
+    that parameter; one swapped since (new contents) is judged again, as a new parameter."""
+
+    __slots__ = ("tensor", "address")
+
+    def __init__(self, p) -> None:
+        self.tensor, self.address = torch._C._WeakTensorRef(p), p._cdata
+
+    def gone(self) -> bool:
+        return self.tensor.expired()
+
+    def holds(self, p) -> bool:
+        """Whether ``p`` (found at the id this was kept under) is the parameter that left."""
+        return not self.tensor.expired() and p._cdata == self.address
+
+
 def forget_decisions(ids: set[int]) -> None:
-    """The active contexts forget what they decided for the parameters ``ids`` (forgotten:
-    they left every attached tree). Under the lock, never in a weakref callback."""
+    """The parameters ``ids`` were forgotten (they left every attached tree): the active
+    contexts stop holding them, keeping a :class:`Left` instead (and dropping those of
+    parameters freed since). Under the lock, never in a weakref callback."""
     if ids:
         for entry in list(entries):
             if not ids.isdisjoint(entry.decided):
-                entry.decided = {k: v for k, v in entry.decided.items() if k not in ids}
+                entry.decided = {
+                    k: ((Left(v[0]), v[1]) if k in ids and isinstance(v[0], torch.Tensor) else v)
+                    for k, v in entry.decided.items()
+                    if not (isinstance(v[0], Left) and v[0].gone())
+                }
 
 
 def note_writes() -> None:

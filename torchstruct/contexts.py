@@ -50,10 +50,10 @@ class Entry:
     registrations: int = 0
     serial: int = 0  # set when pushed: later contexts have larger serials
     # id of a parameter -> (the parameter, whether the selectors pick it). The parameter is
-    # held, so its id is never reused meanwhile; a decision is dropped when torchstruct forgets
-    # the parameter (it left every attached tree: _state.forget_decisions), when the scope is
-    # collected, and when the context ends. No weak reference: torch.utils.swap_tensors
-    # refuses a tensor that has one.
+    # held while torchstruct follows it (its id is never reused meanwhile); once forgotten (it
+    # left every attached tree) a _state.Left stands in for it, which knows it again if it
+    # comes back and does not keep it alive. All dropped when the context ends or its scope is
+    # collected. No weak reference: torch.utils.swap_tensors refuses a tensor that has one.
     decided: dict = field(default_factory=dict)
     # the governing state's members and last application when entered (see hooks.State; the
     # records they hold are emptied when torchstruct forgets a parameter)
@@ -69,8 +69,9 @@ class Entry:
         a callable selector is asked about these only."""
         if len(self.decided) > 2 * len(idx.params) + 64:  # forget parameters that are gone
             here = {id(p) for p in idx.params}
-            self.decided = {k: v for k, v in self.decided.items()
-                            if k in here or _state.handle(v[0]) is not None}
+            self.decided = {k: v for k, v in self.decided.items() if k in here or (
+                not v[0].gone() if isinstance(v[0], _state.Left)
+                else _state.handle(v[0]) is not None)}
         if len(params) < len(idx.params):
             asked = {id(p) for p in params}
             rows = [(p, ps) for p, ps in zip(idx.params, idx.paths) if id(p) in asked]
@@ -86,21 +87,32 @@ class Entry:
             return {id(p) for p in params}
         out, new = set(), []
         for p in params:
-            hit = self.decided.get(id(p))
+            hit = self._decision(p)
             if hit is None:
                 source = starts[id(p)][2]  # the record of the parameter p is a copy of
                 was = source.p if source is not None else None
-                hit = self.decided.get(id(was)) if was is not None else None
-                if hit is None or hit[0] is not was:
+                hit = self._decision(was) if was is not None else None
+                if hit is None:
                     new.append(p)
                     continue
-                hit = self.decided[id(p)] = (p, hit[1])
-            if hit[1]:
+                self.decided[id(p)] = (p, hit)
+            if hit:
                 out.add(id(p))
         if new:
             self.decide(scope, idx, new)
             out.update(id(p) for p in new if self.decided[id(p)][1])
         return out
+
+    def _decision(self, p) -> bool | None:
+        """Whether the selectors picked ``p`` (None: not decided yet). A parameter that left
+        and came back is held again."""
+        hit = self.decided.get(id(p))
+        if hit is None or hit[0] is p:
+            return None if hit is None else hit[1]
+        if isinstance(hit[0], _state.Left) and hit[0].holds(p):
+            self.decided[id(p)] = (p, hit[1])
+            return hit[1]
+        return None
 
     def end(self, in_callback: bool = False) -> None:
         """The context ended (or, ``in_callback``, its scope was collected): drop what it
