@@ -45,9 +45,8 @@ def no_weakrefs(*models):
 
 
 def records(m):
-    """torchstruct's ``(starting flag, flag written)`` of each parameter (None: none)."""
-    return [(r[0], r[1]) if (r := _state.record(p)) is not None else None
-            for p in m.parameters()]
+    """torchstruct's starting flag of each parameter, as it stands now (None: not written)."""
+    return [r[0] if (r := _state.current(p)) is not None else None for p in m.parameters()]
 
 
 def convert(m, how, dtype=torch.float64):
@@ -475,3 +474,22 @@ def test_a_block_on_a_part_of_a_collected_model_holds_the_part_until_it_ends():
     del sub
     gc.collect()
     assert all(t.expired() for t in tensors)
+
+
+@pytest.mark.parametrize("block", ["stop_gradient", "swap"])
+@pytest.mark.parametrize("how", ["to", "load_state_dict"])
+def test_conversion_inside_a_block_keeps_the_parameters_own_flags(swapping, block, how):
+    """PyTorch builds the tensor swapped into a parameter with the parameter's flag; inside a
+    block, whose stand-ins read ``requires_grad`` False, it must still be the parameter's."""
+    m, twin = net(), net()
+    for model in (m, twin):
+        ts.freeze(model, "1")
+        model[2].bias.requires_grad_(False)  # a write by hand: it stands
+    with (ts.stop_gradient(m, "0", "2") if block == "stop_gradient"
+          else ts.swap(m, {"0.weight": torch.zeros(4, 3)})):
+        convert(m, how)  # (flags read here are the stand-ins')
+    assert flags(m) == flags(twin) == reads(m) == reads(twin)
+    assert records(m) == records(twin) and no_weakrefs(m)
+    ts.unfreeze(m, "1")
+    ts.unfreeze(twin, "1")
+    assert flags(m) == flags(twin) == [True] * 5 + [False] + [True] * 2
