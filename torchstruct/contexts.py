@@ -151,7 +151,10 @@ def _scope_of(entry: Entry, model: nn.Module) -> weakref.ref:
     def ended(_model: weakref.ref) -> None:
         e = entry_ref()
         if e is not None:
-            e.end(in_callback=True)
+            try:
+                e.end(in_callback=True)
+            except Exception:  # noqa: BLE001 - the interpreter is exiting (modules torn down)
+                pass
 
     return weakref.ref(model, ended)
 
