@@ -493,3 +493,20 @@ def test_conversion_inside_a_block_keeps_the_parameters_own_flags(swapping, bloc
     ts.unfreeze(m, "1")
     ts.unfreeze(twin, "1")
     assert flags(m) == flags(twin) == [True] * 5 + [False] + [True] * 2
+
+
+def test_parameters_replaced_without_registration_are_freed_at_the_next_application():
+    """FSDP2's ``fully_shard`` writes ``module._parameters`` directly: the hook does not see
+    it; the next application takes the new objects as copies and lets go of the old ones."""
+    m = net()
+    with ts.freeze(m, "0"):
+        old = [_alive(p) for p in m[0].parameters()]
+        for name in ("weight", "bias"):  # copies carrying the flag torchstruct wrote (False)
+            p = m[0]._parameters[name]
+            m[0]._parameters[name] = nn.Parameter(p.detach().clone(), requires_grad=False)
+        del p
+        ts.attach(m)
+        gc.collect()
+        assert all(t.expired() for t in old)
+        assert flags(m) == [False, False] + [True] * 6 == reads(m)
+    assert all(flags(m)) and no_weakrefs(m)
