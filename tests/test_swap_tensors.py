@@ -265,6 +265,27 @@ def test_a_dtensor_model_converts_inside_a_context(one_process_group):
     assert all(flags(m)) and all(reads(m)) and no_weakrefs(m)
 
 
+def test_fully_shard_after_a_context_frees_the_unsharded_parameters_at_the_next_forward(
+        one_process_group):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        pytest.skip("FSDP2 (fully_shard) is not available in this torch")
+    m = net()
+    with ts.freeze_except(m, "3"):
+        unsharded = [_alive(p) for p in m.parameters()]
+        for layer in (m[0], m[2], m[3]):
+            fully_shard(layer)
+        fully_shard(m)  # sharded parameters put in place without registration
+        m(x()).sum().backward()
+        gc.collect()
+        assert all(t.expired() for t in unsharded)
+        assert type(m[0].weight).__name__ == "DTensor"
+        assert flags(m) == [False] * 6 + [True] * 2 == reads(m)
+        assert m[0].weight.grad is None and m[3].weight.grad is not None
+    assert all(flags(m)) and no_weakrefs(m)
+
+
 def test_ddp_bookkeeping_holds_no_weak_reference(one_process_group):
     m = net()
     ddp = nn.parallel.DistributedDataParallel(m)

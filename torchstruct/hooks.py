@@ -45,6 +45,10 @@ class State:
     dirty: bool = True  # the root's tree changed since the last application
     registrations: int = 0  # registrations into the tree, ever (contexts compare it)
     module_ids: frozenset = frozenset()  # the tree's modules at the last application
+    # the root's class at the last application: FSDP2's fully_shard changes it as it puts
+    # sharded parameters in place without registering them (the next forward applies, and so
+    # lets go of the replaced parameters)
+    kind: type = None
     # path -> (starting flag, flag written, serial, record of the parameter) at the last
     # application
     last: dict = field(default_factory=dict)
@@ -110,6 +114,7 @@ class State:
             self.module_ids = frozenset(map(id, modules))
             self._sync_norm_hooks(modules)
             self.dirty = False
+            self.kind = type(root)
             root.__dict__.pop(_state.CHANGED, None)
             if error is not None:
                 raise error
@@ -327,7 +332,7 @@ def _pre_forward(module: nn.Module, _args) -> None:
             _apply_eagerly(module)  # a graph break: runs eagerly, before the traced forward
         return
     st = _state.states.get(id(module))
-    if st is not None and st.dirty and st.root() is module:
+    if st is not None and (st.dirty or st.kind is not type(module)) and st.root() is module:
         st.apply()
 
 
