@@ -405,7 +405,7 @@ def test_a_parameter_that_left_and_came_back_keeps_what_the_context_decided():
     assert all(flags(m)) and no_weakrefs(m)
 
 
-def test_a_model_kept_only_by_a_copy_is_independent(swapping):
+def test_a_deepcopy_of_an_attached_model_is_plain_pytorch_and_converts(swapping):
     m = net()
     ts.freeze(m, "0")
     clone = copy.deepcopy(m)  # plain PyTorch until attached itself
