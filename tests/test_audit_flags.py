@@ -313,15 +313,6 @@ def test_new_weight_norm_inside_a_block_trains_again_after_it():
 
 
 # ----------------------------------------------------------------------------- what PyTorch allows
-@pytest.mark.xfail(
-    strict=True,
-    reason="the records hold weak references to parameters, and torch.utils.swap_tensors "
-    "refuses a tensor with weak references: under "
-    "torch.__future__.set_swap_module_params_on_conversion(True) (the default path for "
-    "tensor-subclass parameters), model.to(dtype) and load_state_dict of any model "
-    "torchstruct has attached raise 'Cannot swap t1 because it has weakref'. Plain PyTorch "
-    "works. Expected: attaching does not break PyTorch's conversion of the model.",
-)
 def test_swap_module_params_on_conversion_works_on_an_attached_model():
     m = nn.Sequential(nn.Linear(3, 3))
     ts.attach(m)

@@ -6,7 +6,7 @@ Every public name is re-exported here from the one module that defines it:
 - :mod:`.tree`: nested-dict trees (``ts.tree.map``, ``ts.tree.flatten``, ...);
 - :mod:`.declare`: declarations and effective trainability (read-only);
 - :mod:`.hooks`: ``attach``/``detach_hooks``, the hooks that write the flags;
-- :mod:`._state`: the one owner of process-wide state (locked, weak);
+- :mod:`._state`: the one owner of process-wide state (locked, owned by the live models);
 - :mod:`.contexts`: ``freeze``, ``freeze_except``, ``unfreeze``;
 - :mod:`.blocks`: block-local ``stop_gradient``, ``constant``, ``swap``;
 - :mod:`.grad`: structural gradients; :mod:`.within`: ``within_gradient``;

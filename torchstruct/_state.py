@@ -1,11 +1,11 @@
-"""The one owner of torchstruct's process-wide state: small, locked, and weakly held.
+"""The one owner of torchstruct's process-wide state: small, locked, and owned by the live models.
 
 Everything torchstruct remembers between calls lives here, and nowhere else:
 
-- ``records``: per parameter, its *starting flag*, the flag torchstruct last wrote, and the
-  serial of the newest context or declaration a write by someone else overrides (see below). Kept here, not
-  as attributes of the parameter, so that a copy of a parameter (``deepcopy``, ``torch.save``)
-  carries nothing of ours and behaves as plain PyTorch.
+- ``records``: per parameter, a :class:`Record`: its *starting flag*, the flag torchstruct last
+  wrote, and the serial of the newest context or declaration a write by someone else overrides
+  (see below). Kept here, not as attributes of the parameter, so that a copy of a parameter
+  (``deepcopy``, ``torch.save``) carries nothing of ours and behaves as plain PyTorch.
 - ``states``: the attached models (roots), keyed by ``id``; each :class:`~torchstruct.hooks.State`
   holds its root weakly.
 - ``entries``: the active contexts of every model, outermost (oldest) first. Each context (and
@@ -17,11 +17,24 @@ Everything torchstruct remembers between calls lives here, and nowhere else:
 - ``frozen_norms``: the normalization layers whose running statistics are held right now.
 - ``flag_guards``: callbacks consulted before flags change (``torchstruct.distributed``).
 
+**No weak reference to a parameter.** ``torch.utils.swap_tensors`` (what ``module.to()``,
+``.half()`` and ``load_state_dict`` use for tensor-subclass parameters, or under
+``torch.__future__.set_swap_module_params_on_conversion(True)``) refuses a tensor that has one,
+and it keeps the parameter's identity (the same Python object, new contents): everything
+here follows the object. A :class:`Record` holds its parameter strongly, and is owned by the
+attached trees: it exists while the parameter is in one (it is written at each application),
+and is emptied (:func:`forget`) at the application after the parameter left every attached tree,
+or when the last model holding it is collected. A model is held weakly (modules may be), so a
+dropped model and its parameters are freed. The other tables that know a parameter hold its
+record (a state's last application, what a context found when it was entered: an emptied record
+matches no parameter), or hold the parameter for no longer than its record lives (a context's
+decisions: :func:`forget_decisions`, dropped too when the context ends or its model is
+collected).
+
 Every change of these happens under :data:`LOCK` (re-entrant), so contexts entered and left
 from several threads compose as if they ran one after another. While a thread holds it, the
 stand-ins of its ``stop_gradient`` / ``swap`` blocks are lifted (:func:`without_stand_ins`):
-flags are read and written on the parameters themselves. Nothing here keeps a model or a
-parameter alive.
+flags are read and written on the parameters themselves.
 
 A registration anywhere in the process (``register_parameter``, ``add_module``, attribute
 assignment) marks *only the attached trees that contain the module registered into* as
@@ -168,10 +181,22 @@ class _Lock:
 
 LOCK = _Lock()
 
-# id(parameter) -> (weakref to it, starting flag, flag torchstruct last wrote, serial of the
-# newest context or declaration that does not apply to it because someone else wrote its flag
-# after it was made)
-records: dict[int, tuple[weakref.ref, bool, bool, int]] = {}
+class Record:
+    """What torchstruct remembers of one parameter ``p``: its starting flag (``base``), the
+    flag torchstruct last wrote (``written``), and the serial of the newest context or
+    declaration that does not apply to it because someone else wrote its flag after it was
+    made (``since``). Holds ``p`` while torchstruct follows it; :func:`forget` empties it
+    (``p`` None), so that tables still holding the record hold nothing of the parameter."""
+
+    __slots__ = ("p", "base", "written", "since")
+
+    def __init__(self, p, base: bool, written: bool, since: int) -> None:
+        self.p, self.base, self.written, self.since = p, base, written, since
+
+
+# id(parameter) -> its Record (see above): only parameters of attached trees, and those that
+# left one until the application that gives them their flag back
+records: dict[int, Record] = {}
 
 # id(root) -> State (see torchstruct.hooks); a State holds its root weakly
 states: dict = {}
@@ -197,7 +222,7 @@ def next_serial() -> int:
 
 def _snapshot(table: dict) -> list:
     """``table``'s items; a weakref callback run by garbage collection while they are listed
-    may remove one (records of dead parameters): list them again then."""
+    may remove one (a collected model's records): list them again then."""
     while True:
         try:
             return list(table.items())
@@ -205,13 +230,48 @@ def _snapshot(table: dict) -> list:
             continue
 
 
+class Left:
+    """What a context keeps of a parameter torchstruct forgot (it left every attached tree),
+    so that the parameter keeps what the context decided for it if it comes back, without
+    keeping it alive: a C++ weak reference to its tensor (``torch._C._WeakTensorRef``; not a
+    Python weak reference, which ``torch.utils.swap_tensors`` refuses) and the tensor's
+    address. The object at the parameter's ``id`` that holds that very tensor, still alive, is
+    that parameter; one swapped since (new contents) is judged again, as a new parameter."""
+
+    __slots__ = ("tensor", "address")
+
+    def __init__(self, p) -> None:
+        self.tensor, self.address = torch._C._WeakTensorRef(p), p._cdata
+
+    def gone(self) -> bool:
+        return self.tensor.expired()
+
+    def holds(self, p) -> bool:
+        """Whether ``p`` (found at the id this was kept under) is the parameter that left."""
+        return not self.tensor.expired() and p._cdata == self.address
+
+
+def forget_decisions(ids: set[int]) -> None:
+    """The parameters ``ids`` were forgotten (they left every attached tree): the active
+    contexts stop holding them, keeping a :class:`Left` instead (and dropping those of
+    parameters freed since). Under the lock, never in a weakref callback."""
+    if ids:
+        for entry in list(entries):
+            if not ids.isdisjoint(entry.decided):
+                entry.decided = {
+                    k: ((Left(v[0]), v[1]) if k in ids and isinstance(v[0], torch.Tensor) else v)
+                    for k, v in entry.decided.items()
+                    if not (isinstance(v[0], Left) and v[0].gone())
+                }
+
+
 def note_writes() -> None:
     """Read every flag someone else wrote since torchstruct last wrote it (see
     :func:`current`), so that the write is dated now."""
-    for key, hit in _snapshot(records):
-        p = hit[0]()
-        if p is not None and p.requires_grad is not hit[2]:
-            records[key] = (hit[0], *_read(hit, p))
+    for _, hit in _snapshot(records):
+        p = hit.p
+        if p is not None and p.requires_grad is not hit.written:
+            hit.base, hit.written, hit.since = _read(hit, p)
 
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began, the version of its
 # running_mean then): layers whose running statistics are held now
@@ -228,10 +288,15 @@ flag_guards: list = []
 def record(p) -> tuple[bool, bool, int] | None:
     """``(starting flag, flag last written, overridden-through serial)`` of parameter ``p``, or
     None if never written."""
+    hit = handle(p)
+    return None if hit is None else (hit.base, hit.written, hit.since)
+
+
+def handle(p) -> Record | None:
+    """The :class:`Record` of parameter ``p`` (the same object for as long as torchstruct
+    follows ``p``), or None."""
     hit = records.get(id(p))
-    if hit is None or hit[0]() is not p:
-        return None
-    return hit[1], hit[2], hit[3]
+    return hit if hit is not None and hit.p is p else None
 
 
 def current(p) -> tuple[bool, int] | None:
@@ -241,39 +306,33 @@ def current(p) -> tuple[bool, int] | None:
     The one place the rule lives: a flag different from the one torchstruct last wrote was
     written by someone else after everything up to ``applied_through``; it becomes the starting
     flag, and those contexts and declarations no longer apply to ``p``."""
-    hit = records.get(id(p))
-    if hit is None or hit[0]() is not p:
-        return None
-    return _read(hit, p)[::2]
+    hit = handle(p)
+    return None if hit is None else _read(hit, p)[::2]
 
 
-def _read(hit: tuple, p) -> tuple[bool, bool, int]:
+def _read(hit: Record, p) -> tuple[bool, bool, int]:
     """``(starting flag, flag now, overridden-through serial)`` of ``p`` from its record."""
-    if p.requires_grad is hit[2]:
-        return hit[1], hit[2], hit[3]
+    if p.requires_grad is hit.written:
+        return hit.base, hit.written, hit.since
     return p.requires_grad, p.requires_grad, applied_through
 
 
-def _forget_dead(ref: weakref.ref, key: int) -> None:
-    hit = records.get(key)
-    if hit is not None and hit[0] is ref:
-        del records[key]
-
-
-def set_record(p, base: bool, written: bool, since: int = 0) -> None:
-    hit = records.get(id(p))
-    if hit is not None and hit[0]() is p:
-        ref = hit[0]
+def set_record(p, base: bool, written: bool, since: int = 0) -> Record:
+    """Write ``p``'s record (its :class:`Record`, made the first time); returns it."""
+    hit = handle(p)
+    if hit is None:
+        hit = records[id(p)] = Record(p, base, written, since)
     else:
-        key = id(p)
-        ref = weakref.ref(p, lambda r, key=key: _forget_dead(r, key))
-    records[id(p)] = (ref, base, written, since)
+        hit.base, hit.written, hit.since = base, written, since
+    return hit
 
 
 def forget(p) -> None:
-    hit = records.get(id(p))
-    if hit is not None and hit[0]() is p:
+    """Forget ``p``'s record and empty it (tables still holding it no longer hold ``p``)."""
+    hit = handle(p)
+    if hit is not None:
         del records[id(p)]
+        hit.p = None
 
 
 # ----------------------------------------------------------------------------- states
@@ -330,14 +389,13 @@ def _date_unread_write(st, old) -> None:
     that no application read yet: read it now, into its record and into what ``st``'s last
     application remembers of its paths, so that a copy put in its place (``load_state_dict(
     assign=True)``, which carries the flag) is recognised as its copy, as it is once read."""
-    hit = records.get(id(old))
-    if hit is None or hit[0]() is not old or old.requires_grad is hit[2]:
+    hit = handle(old)
+    if hit is None or old.requires_grad is hit.written:
         return
-    start, flag, serial = _read(hit, old)
-    records[id(old)] = (hit[0], start, flag, serial)
-    for path, (_, _, _, ref) in list(st.last.items()):
-        if ref() is old:
-            st.last[path] = (start, flag, serial, ref)
+    hit.base, hit.written, hit.since = _read(hit, old)
+    for path, (_, _, _, rec) in list(st.last.items()):
+        if rec is hit:
+            st.last[path] = (hit.base, hit.written, hit.since, rec)
 
 
 _module_mod.register_module_parameter_registration_hook(_on_registered)

@@ -230,8 +230,11 @@ def _checkpoint_frames(frame) -> list:
 _REENTRANT_FORWARD = torch.utils.checkpoint.CheckpointFunction.forward.__code__
 
 # Parameter's own copy and serialization code: the flag it reads is the parameter's, so a
-# deepcopy or torch.save made inside a block keeps the flags (the copy is not in the block)
-_COPYING = frozenset({nn.Parameter.__deepcopy__.__code__, nn.Parameter.__reduce_ex__.__code__})
+# deepcopy or torch.save made inside a block keeps the flags (the copy is not in the block).
+# Likewise the module code that builds the tensor swapped into a parameter, or registered in its
+# place (module.to() / load_state_dict on PyTorch's swap path): it copies the parameter's flag.
+_COPYING = frozenset({nn.Parameter.__deepcopy__.__code__, nn.Parameter.__reduce_ex__.__code__,
+                      nn.Module._apply.__code__, nn.Module._load_from_state_dict.__code__})
 
 
 class _SubstituteBlock(_Context):

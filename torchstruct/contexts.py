@@ -49,19 +49,29 @@ class Entry:
     # the registrations into the tree while the context was active
     registrations: int = 0
     serial: int = 0  # set when pushed: later contexts have larger serials
-    # weakref to a parameter -> whether the selectors pick it. Keyed by the reference, not the
-    # id: a dead parameter's key never equals a live one's that reuses its id.
+    # id of a parameter -> (the parameter, whether the selectors pick it). The parameter is
+    # held while torchstruct follows it (its id is never reused meanwhile); once forgotten (it
+    # left every attached tree) a _state.Left stands in for it, which knows it again if it
+    # comes back and does not keep it alive. All dropped when the context ends or its scope is
+    # collected. No weak reference: torch.utils.swap_tensors refuses a tensor that has one.
     decided: dict = field(default_factory=dict)
-    # the governing state's members and last application when entered (see hooks.State)
+    # the governing state's members and last application when entered (see hooks.State; the
+    # records they hold are emptied when torchstruct forgets a parameter)
     present: dict = field(default_factory=dict)
     present_paths: dict = field(default_factory=dict)
+    # id -> record of the parameters that left their attached tree while the scope held them
+    # (a block on a module that was taken out): held for the block, released when it ends
+    kept: dict = field(default_factory=dict)
 
     def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False
                ) -> None:
         """Record what the selectors pick among ``params`` of ``scope`` (indexed as ``idx``);
         a callable selector is asked about these only."""
         if len(self.decided) > 2 * len(idx.params) + 64:  # forget parameters that are gone
-            self.decided = {r: v for r, v in self.decided.items() if r() is not None}
+            here = {id(p) for p in idx.params}
+            self.decided = {k: v for k, v in self.decided.items() if k in here or (
+                not v[0].gone() if isinstance(v[0], _state.Left)
+                else _state.handle(v[0]) is not None)}
         if len(params) < len(idx.params):
             asked = {id(p) for p in params}
             rows = [(p, ps) for p, ps in zip(idx.params, idx.paths) if id(p) in asked]
@@ -69,7 +79,7 @@ class Entry:
                              idx.modules, idx.module_objects)
         chosen = {id(p) for _, p in select(scope, *self.selectors, strict=strict, idx=idx)}
         for p in params:
-            self.decided[weakref.ref(p)] = id(p) in chosen
+            self.decided[id(p)] = (p, id(p) in chosen)
 
     def selected(self, scope: nn.Module, idx: ParamIndex, params: list, starts: dict) -> set[int]:
         """Ids of ``params`` the selectors pick, deciding for those seen the first time."""
@@ -77,21 +87,38 @@ class Entry:
             return {id(p) for p in params}
         out, new = set(), []
         for p in params:
-            ref = weakref.ref(p)
-            hit = self.decided.get(ref)
+            hit = self._decision(p)
             if hit is None:
-                source = starts[id(p)][2]  # the parameter p is a copy of, decided before
-                hit = self.decided.get(source) if source is not None else None
+                source = starts[id(p)][2]  # the record of the parameter p is a copy of
+                was = source.p if source is not None else None
+                hit = self._decision(was) if was is not None else None
                 if hit is None:
                     new.append(p)
                     continue
-                self.decided[ref] = hit
+                self.decided[id(p)] = (p, hit)
             if hit:
                 out.add(id(p))
         if new:
             self.decide(scope, idx, new)
-            out.update(id(p) for p in new if self.decided[weakref.ref(p)])
+            out.update(id(p) for p in new if self.decided[id(p)][1])
         return out
+
+    def _decision(self, p) -> bool | None:
+        """Whether the selectors picked ``p`` (None: not decided yet). A parameter that left
+        and came back is held again."""
+        hit = self.decided.get(id(p))
+        if hit is None or hit[0] is p:
+            return None if hit is None else hit[1]
+        if isinstance(hit[0], _state.Left) and hit[0].holds(p):
+            self.decided[id(p)] = (p, hit[1])
+            return hit[1]
+        return None
+
+    def end(self, in_callback: bool = False) -> None:
+        """The context ended (or, ``in_callback``, its scope was collected): drop what it
+        holds of the parameters, and release those it kept."""
+        self.decided, self.present, self.present_paths = {}, {}, {}
+        hooks.release_kept(self, in_callback)
 
     def fold(self, flags: dict[int, bool], starts: dict, root: nn.Module,
              root_index: ParamIndex) -> None:
@@ -114,6 +141,22 @@ class Entry:
                 flags[i] = False
             elif self.kind == "unfreeze" and i in chosen:
                 flags[i] = True
+
+
+def _scope_of(entry: Entry, model: nn.Module) -> weakref.ref:
+    """A weak reference to ``model`` (the scope of ``entry``) that ends the entry when the
+    model is collected: its decisions then hold none of the model's parameters."""
+    entry_ref = weakref.ref(entry)
+
+    def ended(_model: weakref.ref) -> None:
+        e = entry_ref()
+        if e is not None:
+            try:
+                e.end(in_callback=True)
+            except Exception:  # noqa: BLE001 - the interpreter is exiting (modules torn down)
+                pass
+
+    return weakref.ref(model, ended)
 
 
 def _swapped(entries: list, olds: list, news: list) -> list:
@@ -167,7 +210,10 @@ def push(entry: Entry) -> None:
             _apply_around(entry)
         except BaseException:
             _state.entries.remove(entry)
-            _apply_around(entry, refuse=False)
+            try:
+                _apply_around(entry, refuse=False)
+            finally:
+                entry.end()
             raise
         _state.applied_through = entry.serial
         _remember_present(entry)
@@ -180,9 +226,12 @@ def pop(entry: Entry) -> None:
         _drop_dead()
         scope = entry.scope()
         registrations = hooks.state_for(scope).registrations if scope is not None else 0
-        changes = _apply_around(entry, refuse=False)
-        grown = registrations != entry.registrations
-        born = _born_frozen(entry) if grown else []
+        try:
+            changes = _apply_around(entry, refuse=False)
+            grown = registrations != entry.registrations
+            born = _born_frozen(entry) if grown else []
+        finally:
+            entry.end()
     if grown:
         _warn_undone(entry, [path for path, _, flag in changes if flag], born)
 
@@ -210,11 +259,17 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
             _apply_around(anchor)
         except BaseException:
             _state.entries[:] = saved
-            _apply_around(anchor, refuse=False)
+            try:
+                _apply_around(anchor, refuse=False)
+            finally:
+                for entry in news:
+                    entry.end()
             raise
         _state.applied_through = max([_state.applied_through] + [e.serial for e in news])
         for entry in news:
             _remember_present(entry)
+        for entry in olds:
+            entry.end()
     if old is not None:
         old._active = False
     if new is not None:
@@ -239,12 +294,12 @@ def _born_frozen(entry: Entry) -> list[str]:
         return []
     inside = {id(p) for p in scope.parameters()}
     out = []
-    for path, (base, flag, _, ref) in hooks.state_for(scope).last.items():
-        p = ref()
+    for path, (base, flag, _, rec) in hooks.state_for(scope).last.items():
+        p = rec.p
         if p is None or id(p) not in inside or base or flag:
             continue
         was = entry.present.get(id(p))
-        if was is not None and was() is p:
+        if was is not None and was.p is p:
             continue
         before = entry.present_paths.get(path)
         if before is None or before[0]:  # new, not a copy of a parameter frozen before
@@ -430,12 +485,8 @@ class _FlagContext(_Context):
             if self.needs_selector:
                 raise TypeError(f"{type(self).__name__} needs at least one selector")
             selectors = []  # the whole of ``model`` (an empty tuple means that to Entry)
-        self._entry = Entry(
-            self.kind,
-            weakref.ref(model),  # a permanent context ends with its model
-            tuple(selectors),
-            self._kwargs["freeze_norm_stats"],
-        )
+        self._entry = Entry(self.kind, None, tuple(selectors), self._kwargs["freeze_norm_stats"])
+        self._entry.scope = _scope_of(self._entry, model)  # a permanent context ends with it
         if selectors:  # decided now for the parameters present; raises before any change
             idx = index(model)
             self._entry.decide(model, idx, list(idx.params), self._kwargs["strict"])

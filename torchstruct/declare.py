@@ -218,7 +218,8 @@ def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, in
 
     Returns:
         ``(starting flag, serial of the newest context that no longer applies to p (0: none),
-        a weak reference to the parameter ``p`` is a copy of, or None)``.
+        the record (:class:`torchstruct._state.Record`) of the parameter ``p`` is a copy of, or
+        None)``.
     """
     now = _state.current(p)
     if now is not None:
@@ -236,7 +237,7 @@ def effective(
 
     Arguments:
         root: the module whose declarations gate (its ancestors' are not consulted).
-        last: ``path -> (starting flag, flag written, serial, weakref to the parameter)`` of the
+        last: ``path -> (starting flag, flag written, serial, record of the parameter)`` of the
             tree's last application.
         lenient: an invalid declaration admits what it still names instead of raising.
 
@@ -272,7 +273,7 @@ def _sharing(root: nn.Module, idx: ParamIndex) -> list[tuple[nn.Module, set[int]
             continue
         modules = modules if modules is not None else {id(m) for m in idx.module_objects}
         if modules.isdisjoint(st.module_ids) and not any(
-            i in mine and ref() is mine[i] for i, ref in st.members.items()
+            i in mine and rec.p is mine[i] for i, rec in st.members.items()
         ):
             continue
         shared = set(mine).intersection(id(p) for p in other.parameters())

@@ -49,24 +49,33 @@ from torch.nn.modules import module as _module_mod
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _state
-from ._state import flag_guards
+from ._state import _snapshot, flag_guards
 
 __all__: list[str] = []
 
-# id of a parameter -> (weakref to its DDP wrapper, whether DDP synchronizes it)
-_wrapped: dict[int, tuple[weakref.ref, bool]] = {}
+# id of a parameter -> (weakref to its DDP wrapper, whether DDP synchronizes it, the
+# parameter). The parameter is held as long as its wrapper lives (the wrapper holds it too),
+# never by a weak reference (torch.utils.swap_tensors refuses a tensor that has one); the
+# wrapper's entries go when it is collected.
+_wrapped: dict[int, tuple[weakref.ref, bool, object]] = {}
+
+
+def _forget_wrapper(ref: weakref.ref) -> None:
+    """A DDP wrapper was collected: forget its parameters (runs as a weakref callback)."""
+    for key, hit in _snapshot(_wrapped):
+        if hit[0] is ref:
+            _wrapped.pop(key, None)
 
 
 def _on_module_registered(module: nn.Module, name: str, inner) -> None:
     """Record, as DDP is built, which parameters of its module it will synchronize."""
     if isinstance(module, DistributedDataParallel) and name == "module":
-        ref = weakref.ref(module)
+        ref = weakref.ref(module, _forget_wrapper)
         ignored = getattr(module, "parameters_to_ignore", ())  # DDP leaves their flags free
         for path, p in inner.named_parameters():
             if path in ignored:
                 continue
-            _wrapped[id(p)] = (ref, p.requires_grad)
-            weakref.finalize(p, _wrapped.pop, id(p), None)
+            _wrapped[id(p)] = (ref, p.requires_grad, p)
         module.register_forward_pre_hook(_before_forward)
         module.register_forward_hook(_after_forward, always_call=True)
 
@@ -113,8 +122,8 @@ def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
     the autograd graph, as DDP's ``find_unused_parameters`` does)."""
     pending = {}
     for path, p in ddp.module.named_parameters():
-        hit = _wrapped.get(id(p))
-        if p.requires_grad and hit is not None and hit[1] and hit[0]() is ddp:
+        hit = _wrapper_of(p)
+        if p.requires_grad and hit is not None and hit[1] and hit[0] is ddp:
             pending[id(p)] = path
     roots = [t for t in torch.utils._pytree.tree_leaves(out)
              if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -138,12 +147,19 @@ def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
     return list(pending.values())
 
 
+def _wrapper_of(p):
+    """``(live DDP wrapper, whether it synchronizes p)`` of parameter ``p``, or None."""
+    hit = _wrapped.get(id(p))
+    ddp = hit[0]() if hit is not None and hit[2] is p else None
+    return None if ddp is None else (ddp, hit[1])
+
+
 def _ddp_problem(path: str, p, flag: bool) -> str | None:
     """Why DDP cannot follow ``p``'s flag changing to ``flag``, or None when it can."""
-    hit = _wrapped.get(id(p))
-    ddp = hit[0]() if hit else None
-    if ddp is None:
+    hit = _wrapper_of(p)
+    if hit is None:
         return None
+    ddp = hit[0]
     if flag and not hit[1]:
         return (
             f"{path!r} would start training, but DistributedDataParallel synchronizes only the "
@@ -188,10 +204,9 @@ def ddp_wrapper(model: nn.Module) -> DistributedDataParallel | None:
     if not _wrapped:
         return None
     for p in model.parameters():
-        hit = _wrapped.get(id(p))
-        ddp = hit[0]() if hit else None
-        if ddp is not None:
-            return ddp
+        hit = _wrapper_of(p)
+        if hit is not None:
+            return hit[0]
     return None
 
 

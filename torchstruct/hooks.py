@@ -38,16 +38,21 @@ _NORM_OPTION = "_torchstruct_freeze_norm_stats"  # attribute on a module: attach
 
 @dataclass(eq=False)
 class State:
-    """What torchstruct keeps for one attached model (the root, held weakly)."""
+    """What torchstruct keeps for one attached model (the root, held weakly; its parameters
+    through their records, see :class:`torchstruct._state.Record`)."""
 
     root: weakref.ref
     dirty: bool = True  # the root's tree changed since the last application
     registrations: int = 0  # registrations into the tree, ever (contexts compare it)
     module_ids: frozenset = frozenset()  # the tree's modules at the last application
-    # path -> (starting flag, flag written, serial, weakref to the parameter) at the last
+    # the root's class at the last application: FSDP2's fully_shard changes it as it puts
+    # sharded parameters in place without registering them (the next forward applies, and so
+    # lets go of the replaced parameters)
+    kind: type = None
+    # path -> (starting flag, flag written, serial, record of the parameter) at the last
     # application
     last: dict = field(default_factory=dict)
-    # id -> weakref of the parameters at the last application
+    # id -> record of the parameters at the last application
     members: dict = field(default_factory=dict)
     hook: object = None
     norm_hooks: dict = field(default_factory=dict)  # id(layer) -> (weakref, [handles])
@@ -94,12 +99,13 @@ class State:
                     )
             for guard in _state.flag_guards if changes else ():
                 guard(changes, refuse)
+            members = {}
             for path, p, flag in new:
                 if p.requires_grad is not flag:
                     p.requires_grad_(flag)
-                _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
-            self._release_leavers({id(p) for p in idx.params})
-            self.members = {id(p): weakref.ref(p) for p in idx.params}
+                members[id(p)] = _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
+            self._release_leavers(members)
+            self.members = members
             self.last = {
                 path: (starts[id(p)][0], flag, starts[id(p)][1], self.members[id(p)])
                 for path, p, flag in new
@@ -108,38 +114,48 @@ class State:
             self.module_ids = frozenset(map(id, modules))
             self._sync_norm_hooks(modules)
             self.dirty = False
+            self.kind = type(root)
             root.__dict__.pop(_state.CHANGED, None)
             if error is not None:
                 raise error
             return changes
 
-    def _release_leavers(self, now: set[int]) -> None:
+    def _release_leavers(self, now: dict) -> None:
+        """The parameters of the last application not in ``now`` left the tree: they get their
+        starting flag back and are forgotten, unless another attached model holds them, or the
+        scope of an active context (a block on a module that was taken out), which keeps them
+        until it ends (:func:`release_kept`)."""
         leavers = {k: r for k, r in self.members.items() if k not in now}
-        if not leavers:
-            return
-        held = {i for st in _state.live_states() if st is not self for i in st.live_members()}
-        scoped = {  # an active block on a module that left keeps its parameters until it exits
-            id(p) for e in _state.entries if (s := e.scope()) is not None for p in s.parameters()
-        }
-        _release(leavers, held | scoped)
+        if leavers:
+            held = {i for st in _state.live_states() if st is not self for i in st.live_members()}
+            _release_unheld(leavers, held, in_callback=False)
 
     def release(self) -> None:
         """The root is gone: its parameters that live on (a kept submodule) and its norm layers
-        become plain PyTorch again; other attached models holding some re-apply at their next
-        forward. Runs as a weakref callback: no lock taken, ``states`` not changed."""
+        become plain PyTorch again, except those an active context's scope holds (until it
+        ends); other attached models holding some re-apply at their next forward. Runs as a
+        weakref callback: no lock taken, ``states`` not changed.
+
+        The parameters are still held here (by their records, and by the dying tree, which
+        Python clears after this callback), so every one of them gets its flag back, also
+        those about to be freed. A callback may run anywhere (garbage collection), also
+        inside a ``torch.func`` transform, which refuses ``requires_grad_()``: the flags are
+        written as attributes, and an error is never raised from here."""
         others = [st for st in list(_state.states.values()) if st is not self and st.root()]
         mine = self.live_members()
         for st in others:
             if not st.live_members().isdisjoint(mine):
                 _state.mark_changed(st)
-        _release(self.members, {i for st in others for i in st.live_members()})
-        self.members = {}
+        _release_unheld(self.members, {i for st in others for i in st.live_members()},
+                        in_callback=True)
+        self.members, self.last = {}, {}
         self.uninstall()
 
     def live_members(self) -> set[int]:
-        """Ids of the parameters of the last application that are still alive (an id of a dead
-        one may belong to another object by now)."""
-        return {i for i, ref in self.members.items() if ref() is not None}
+        """Ids of the parameters of the last application that torchstruct still follows (a
+        forgotten record holds no parameter, and its id may belong to another object by
+        now)."""
+        return {i for i, rec in self.members.items() if rec.p is not None}
 
     # -- hooks
     def install(self) -> None:
@@ -231,17 +247,70 @@ def _frozen_by_us(p) -> bool:
     return rec is not None and rec[0] and not rec[1] and not p.requires_grad
 
 
-def _release(members: dict, keep: set[int]) -> None:
-    """Give the parameters in ``members`` (id -> weakref), except ``keep``, their starting flag
-    back, unless someone else wrote their flag since; forget their records."""
-    for key, ref in list(members.items()):
-        p = ref()
+def _release(members: dict, keep: set[int], in_callback: bool = False) -> set[int]:
+    """Give the parameters in ``members`` (id -> record), except ``keep``, their starting flag
+    back, unless someone else wrote their flag since; forget their records. With
+    ``in_callback`` (see :meth:`State.release`) nothing raises.
+
+    Returns:
+        The ids of the parameters forgotten."""
+    out = set()
+    for key, hit in list(members.items()):
+        p = hit.p
         if p is None or key in keep:
             continue
         rec = _state.record(p)
         if rec is not None and p.requires_grad is rec[1] and rec[0] is not rec[1]:
-            p.requires_grad_(rec[0])
+            if not in_callback:
+                p.requires_grad_(rec[0])
+            else:
+                try:
+                    p.requires_grad = rec[0]
+                except Exception:  # noqa: BLE001 - never raise from garbage collection
+                    pass
         _state.forget(p)
+        out.add(key)
+    return out
+
+
+def _scoping(skip=None) -> dict:
+    """id of a parameter -> the first active context (other than ``skip``) whose scope holds
+    it. Reads modules only: safe in a weakref callback."""
+    out: dict = {}
+    for entry in list(_state.entries):
+        scope = entry.scope() if entry is not skip else None
+        if scope is not None:
+            for p in scope.parameters():
+                out.setdefault(id(p), entry)
+    return out
+
+
+def _release_unheld(leavers: dict, held: set[int], in_callback: bool, skip=None) -> None:
+    """Release ``leavers`` (id -> record, parameters that left a tree), except those in
+    ``held`` (another attached model holds them: theirs now) and those in the scope of an
+    active context, which keeps them until it ends."""
+    scoping = _scoping(skip)
+    for key, rec in leavers.items():
+        entry = scoping.get(key)
+        if key not in held and entry is not None and rec.p is not None:
+            entry.kept.setdefault(key, rec)
+    released = _release(leavers, held | set(scoping), in_callback)
+    if not in_callback:
+        _state.forget_decisions(released)
+
+
+def release_kept(entry, in_callback: bool = False) -> None:
+    """``entry`` (a context) ended, or its scope was collected: the parameters it kept (they
+    left their tree while its scope held them) are released, unless an attached model holds
+    them now (the scope itself, attached when the context was left) or another active
+    context's scope does. With ``in_callback`` nothing raises and no state is dropped."""
+    kept, entry.kept = entry.kept, {}
+    if not kept:
+        return
+    live = ([st for st in list(_state.states.values()) if st.root() is not None]
+            if in_callback else _state.live_states())
+    held = {i for st in live for i in st.live_members()}
+    _release_unheld(kept, held, in_callback, skip=entry)
 
 
 def _released_when_dead(state: weakref.ref):
@@ -264,7 +333,7 @@ def _pre_forward(module: nn.Module, _args) -> None:
             _apply_eagerly(module)  # a graph break: runs eagerly, before the traced forward
         return
     st = _state.states.get(id(module))
-    if st is not None and st.dirty and st.root() is module:
+    if st is not None and (st.dirty or st.kind is not type(module)) and st.root() is module:
         st.apply()
 
 
