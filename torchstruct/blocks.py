@@ -38,6 +38,7 @@ through its dispatch mode as well.
 from __future__ import annotations
 
 import bisect
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -45,6 +46,7 @@ import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch._C import _functorch
+from torch.autograd.function import _is_setup_context_defined
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -125,7 +127,10 @@ class _Substitute(TorchFunctionMode):
         self.wrapped = (torch._C._are_functorch_transforms_active()
                         and func is not torch.autograd.grad)
         new_args, new_kwargs = self._sub(args), self._sub(kwargs)
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+        # a custom function's forward runs with both grad modes off; it may turn grad mode
+        # back on (torch.enable_grad inside the forward), never forward grad mode
+        if not torch.compiler.is_compiling() and not (
+                torch.is_grad_enabled() and torch._C._is_fwd_grad_enabled()) and (
                 new_args is not args or any(new_kwargs[k] is not v for k, v in kwargs.items())):
             self._refuse_recompute()
             self._cut_custom_functions()
@@ -141,8 +146,9 @@ class _Substitute(TorchFunctionMode):
         frame = sys._getframe(2)
         while frame is not None:
             caller = frame.f_back
-            if caller is not None and caller.f_code is _FUNCTION_APPLY:
-                self._cut(frame, caller.f_locals.get("args", ()))
+            if (caller is not None and caller.f_code is _FUNCTION_APPLY
+                    and not _is_pack_hook(frame)):
+                self._cut(frame, _apply_inputs(caller.f_locals))
             frame = caller
 
     def _cut(self, forward, args) -> None:
@@ -152,7 +158,7 @@ class _Substitute(TorchFunctionMode):
         if not cut:
             return
         code = forward.f_code
-        ctx = forward.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        ctx = _first_argument(forward)
         if isinstance(ctx, torch.autograd.function.BackwardCFunction):
             edges = ctx.next_functions  # empty when apply records nothing (no_grad)
             needed = {i for i in cut if edges and edges[i][0] is not None}
@@ -204,6 +210,43 @@ class _Substitute(TorchFunctionMode):
                     "the block: its backward recomputes the function after the block has "
                     "exited, without the replacement, so the gradients would be wrong. Enter the "
                     "block inside the checkpointed function, or use use_reentrant=False")
+
+
+def _apply_inputs(apply_locals: dict) -> tuple:
+    """The arguments of a running ``Function.apply`` in the order of its node's inputs:
+    keyword arguments are bound to the forward's parameters by name, after the positional
+    ones."""
+    args, kwargs = apply_locals.get("args", ()), apply_locals.get("kwargs")
+    if not kwargs:
+        return args
+    try:
+        names = list(inspect.signature(apply_locals["cls"].forward).parameters)
+    except (KeyError, TypeError, ValueError):
+        return tuple(args) + tuple(kwargs.values())
+    if not _is_setup_context_defined(apply_locals["cls"].setup_context):
+        names = names[1:]  # ctx
+    return tuple(args) + tuple(kwargs[n] for n in names[len(args):] if n in kwargs)
+
+
+def _is_pack_hook(frame) -> bool:
+    """Whether ``frame`` runs the saved-tensor pack hook in force (``apply`` calls it after
+    the forward, to pack what the forward saved: non-reentrant checkpointing, offloading)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return bool(hooks) and getattr(hooks[0], "__code__", None) is frame.f_code
+
+
+def _first_argument(frame):
+    """The first argument the function running in ``frame`` was called with (a custom
+    function's ``ctx``), also through a decorator taking ``*args`` (``torch.amp.custom_fwd``),
+    or None."""
+    code = frame.f_code
+    if code.co_argcount:
+        return frame.f_locals.get(code.co_varnames[0])
+    if code.co_flags & inspect.CO_VARARGS:
+        star = frame.f_locals.get(code.co_varnames[code.co_kwonlyargcount])
+        if isinstance(star, tuple) and star:
+            return star[0]
+    return None
 
 
 def _drop_gradients(positions: set[int]):
