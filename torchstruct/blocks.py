@@ -71,7 +71,10 @@ def _check_model(ctx: str, model) -> None:
 # methods that write a parameter's flag or hooks: like attribute writes, they act on the
 # parameter itself (``model.requires_grad_(False)`` inside a block freezes the model)
 _ON_PARAMETER = frozenset({"requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-                           "retain_grad"})
+                           "retain_grad",
+                           # torch.func.jvp makes its duals from the variables it is handed:
+                           # the block replaces the dual's uses (see _Substitute._sub_wrapped)
+                           "_make_dual"})
 
 
 class _Substitute(TorchFunctionMode):
@@ -189,12 +192,19 @@ class _Substitute(TorchFunctionMode):
     def _sub_wrapped(self, x):
         """``x`` wraps a tensor for a torch.func transform: replaced (at its level: the
         stand-in of the wrapper, ``x.detach()`` inside ``stop_gradient``) when what it wraps,
-        all levels down, is a replaced parameter."""
+        all levels down, is a replaced parameter (or the alias of the whole parameter that
+        ``torch.func.jvp``, hence ``jacfwd`` and ``hessian``, makes its dual from)."""
         base = x
         while _functorch.is_functorch_wrapped_tensor(base):
             base = _functorch.get_unwrapped(base)
         hit = self.table.get(id(base))
-        return hit[1](x) if hit is not None and hit[0] is base else x
+        if hit is not None and hit[0] is base:
+            return hit[1](x)
+        root = base._base
+        hit = None if root is None else self.table.get(id(root))
+        if hit is not None and hit[0] is root and _whole_alias(base, root):
+            return hit[1](x)
+        return x
 
     def _refuse_recompute(self) -> None:
         """A stand-in used inside a reentrant checkpoint entered after the block, which will
@@ -210,6 +220,12 @@ class _Substitute(TorchFunctionMode):
                     "the block: its backward recomputes the function after the block has "
                     "exited, without the replacement, so the gradients would be wrong. Enter the "
                     "block inside the checkpointed function, or use use_reentrant=False")
+
+
+def _whole_alias(t: Tensor, p: Tensor) -> bool:
+    """``t`` sees exactly ``p``'s elements, the same way."""
+    return (t.shape == p.shape and t.stride() == p.stride() and t.dtype == p.dtype
+            and t.storage_offset() == p.storage_offset())
 
 
 def _apply_inputs(apply_locals: dict) -> tuple:
