@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
 
 from . import _state
 from ._state import flag_guards
@@ -116,8 +117,8 @@ def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
         hit = _wrapped.get(id(p))
         if p.requires_grad and hit is not None and hit[1] and hit[0]() is ddp:
             pending[id(p)] = path
-    roots = [t for t in torch.utils._pytree.tree_leaves(out)
-             if isinstance(t, torch.Tensor) and t.requires_grad]
+    # the tensors DDP itself finds in the output (containers, dataclasses, namedtuples, dicts)
+    roots = [t for t in _find_tensors(out) if t.requires_grad]
     if not roots:
         return []  # nothing to differentiate: no reduction will start
     nodes, seen = [], set()
