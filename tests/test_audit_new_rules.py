@@ -493,3 +493,194 @@ def test_a_compiled_grad_over_the_parameters_inside_the_block():
         with ts.stop_gradient(m, BLOCKED):
             got = f(params)
     assert _close_trees(got, grad(_cube(m, True))(params))
+
+
+# ============================================================================ 3. DDP
+@pytest.fixture
+def group():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@dataclasses.dataclass
+class DataOut:
+    logits: torch.Tensor
+    note: str = "plain dataclass"
+
+
+Pair = collections.namedtuple("Pair", "logits count")
+
+
+class TwoBranch(nn.Module):
+    def __init__(self, kind="tensor"):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+        self.kind = kind
+
+    def forward(self, x, target=None):
+        y = self.a(x) + self.b(x)
+        if self.kind == "dataclass":
+            return DataOut(y)
+        if self.kind == "namedtuple":
+            return Pair(y, 1)
+        if self.kind == "hf":
+            from transformers.modeling_outputs import SequenceClassifierOutput
+            return SequenceClassifierOutput(logits=y)
+        if self.kind == "loss":
+            return nn.functional.mse_loss(y, target)
+        return y
+
+
+XD, TD = torch.randn(5, 3), torch.randn(5, 2)
+
+
+def _loss_of(out):
+    if isinstance(out, torch.Tensor):
+        return out.sum()
+    return out.logits.sum() if hasattr(out, "logits") else out[0].sum()
+
+
+def _plain_step_matches(ddp, m, kind):
+    plain = copy.deepcopy(m)
+    m.zero_grad(set_to_none=True)
+    _loss_of(ddp(XD, TD)).backward()
+    _loss_of(plain(XD, TD)).backward()
+    return same_grads(grads(m), grads(plain))
+
+
+@pytest.mark.parametrize("kind", ["dataclass", "namedtuple", "hf", "loss", "tensor"])
+def test_ddp_refuses_a_fully_blocked_parameter_whatever_the_output(group, kind):
+    m = TwoBranch(kind)
+    ddp = DDP(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    _loss_of(ddp(XD, TD)).backward()
+    opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    m.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in m.parameters()]
+    with ts.stop_gradient(m, "a"):
+        with pytest.raises(RuntimeError, match=r"reaches 'a\.weight', 'a\.bias' "):
+            ddp(XD, TD)
+    assert grads(m) == [None] * 4 and flags(m) == [True] * 4
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
+    assert str(opt.state_dict()) == str(state)
+    assert _plain_step_matches(ddp, m, kind)
+
+
+class SometimesBlocked(nn.Module):
+    """Blocks its encoder on odd calls only (inside the forward)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc, self.head = nn.Linear(3, 4), nn.Linear(4, 1)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls % 2 == 0:
+            with ts.stop_gradient(self, "enc"):
+                h = self.enc(x)
+        else:
+            h = self.enc(x)
+        return self.head(h)
+
+
+def test_ddp_a_block_inside_the_forward_on_some_calls_only(group):
+    m = SometimesBlocked()
+    ddp = DDP(m)
+    ref = copy.deepcopy(m)
+    ddp(XD).sum().backward()  # call 1: plain
+    ref(XD).sum().backward()
+    assert same_grads(grads(m), grads(ref))
+    with pytest.raises(RuntimeError, match=r"'enc\.weight', 'enc\.bias'"):
+        ddp(XD)  # call 2: the encoder blocked everywhere
+    m.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    ref.calls = m.calls
+    ddp(XD).sum().backward()  # call 3: plain again, reduced as usual
+    ref(XD).sum().backward()
+    assert same_grads(grads(m), grads(ref))
+
+
+class Raises(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(3, 1)
+        self.fail = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.fail:
+            raise ValueError("boom")
+        return y
+
+
+def test_ddp_an_exception_in_the_forward_leaves_no_state_behind(group):
+    m = Raises()
+    ddp = DDP(m)
+    other = nn.Linear(2, 2)
+    m.fail = True
+    with ts.stop_gradient(other):  # a block active: the check is armed
+        with pytest.raises(ValueError, match="boom"):
+            ddp(XD)
+    assert not any(k.startswith("_torchstruct") for k in ddp.__dict__)
+    m.fail = False
+    ref = copy.deepcopy(m)
+    ddp(XD).sum().backward()
+    ref(XD).sum().backward()
+    assert same_grads(grads(m), grads(ref))
+    with ts.stop_gradient(m, "lin.weight"):  # and a refusal afterwards is still made
+        with pytest.raises(RuntimeError, match=r"reaches 'lin\.weight' \("):
+            ddp(XD)
+
+
+def test_ddp_gradient_accumulation_with_no_sync_eval_and_the_module_called_directly(group):
+    m = TwoBranch()
+    ref = copy.deepcopy(m)
+    ddp = DDP(m)
+    with ts.stop_gradient(m, "a"):
+        with ddp.no_sync():  # an accumulation step: nothing reduced, not refused
+            ddp(XD).sum().backward()
+        with torch.no_grad():  # evaluation: nothing to reduce
+            ddp(XD)
+        ddp.module(XD).sum().backward()  # the wrapper is not involved: plain PyTorch
+    ddp(XD).sum().backward()  # the synchronized step
+    with torch.no_grad():
+        ref.b(XD)
+    ref.b(XD).sum().backward()
+    ref.b(XD).sum().backward()
+    ref(XD).sum().backward()
+    assert same_grads(grads(m), grads(ref))
+
+
+def test_ddp_static_graph_and_find_unused_are_plain_pytorch(group):
+    for options in (dict(static_graph=True), dict(find_unused_parameters=True)):
+        m = TwoBranch()
+        ref = copy.deepcopy(m)
+        ddp = DDP(m, **options)
+        for _ in range(3):
+            with ts.stop_gradient(m, "a"):
+                ddp(XD).sum().backward()
+            with torch.no_grad():
+                ref.a(XD)
+            ref.b(XD).sum().backward()
+        assert same_grads(grads(m), grads(ref)), options
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a synchronized parameter kept out of the forward by a block but used in the loss after "
+    "the forward (a penalty term) is refused at the forward, although its gradient does reach "
+    "DDP's reducer and plain PyTorch steps fine"))
+def test_ddp_a_parameter_used_only_in_the_loss_after_the_forward(group):
+    m = TwoBranch()
+    ddp = DDP(m)
+    with ts.stop_gradient(m, "a"):
+        out = ddp(XD)
+    (out.sum() + m.a.weight.pow(2).sum() + m.a.bias.pow(2).sum()).backward()
+    assert all(p.grad is not None for p in m.parameters())
