@@ -684,3 +684,118 @@ def test_ddp_a_parameter_used_only_in_the_loss_after_the_forward(group):
         out = ddp(XD)
     (out.sum() + m.a.weight.pow(2).sum() + m.a.bias.pow(2).sum()).backward()
     assert all(p.grad is not None for p in m.parameters())
+
+
+# ============================================================================ 4. constant, sparse
+DENSE = torch.tensor([[0., 1, 0, 0], [2, 0, 0, 3], [0, 0, 4, 0], [5, 0, 0, 6]])
+LAYOUTS = {
+    "coo": lambda: DENSE.to_sparse(),
+    "uncoalesced coo": lambda: torch.sparse_coo_tensor(torch.tensor([[0, 0, 1], [1, 1, 0]]),
+                                                        torch.tensor([1., 2., 3.]), (4, 4)),
+    "csr": lambda: DENSE.to_sparse_csr(),
+    "csc": lambda: DENSE.to_sparse_csc(),
+    "bsr": lambda: DENSE.to_sparse_bsr((2, 2)),
+}
+
+
+def _values(t):
+    return t._values() if t.layout == torch.sparse_coo else t.values()
+
+
+def _indices(t):
+    if t.layout == torch.sparse_coo:
+        return t._indices()
+    return t.col_indices() if t.layout in (torch.sparse_csr, torch.sparse_bsr) else t.row_indices()
+
+
+def _sparse_module(layout):
+    m = nn.Module()
+    m.p = nn.Parameter(LAYOUTS[layout](), requires_grad=False)
+    m.lin = nn.Linear(2, 2)
+    return m
+
+
+WRITES = {
+    "values()": lambda p: _values(p).mul_(2),
+    "p.data": lambda p: p.data.mul_(2),
+    "p.detach()": lambda p: p.detach().mul_(2),
+    "the parameter": lambda p: p.mul_(2),
+    "zero_ through an alias": lambda p: p.detach().zero_(),
+    "the indices": lambda p: _indices(p.detach()).zero_(),
+    "a slice of the values": lambda p: _values(p.data)[:1].fill_(9),
+    "copy_ into an alias": lambda p: p.data.copy_(p.detach().clone() * 3),
+    "p.data = other values": lambda p: setattr(p, "data", p.detach().clone() * 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("write", list(WRITES))
+def test_constant_refuses_writes_into_a_sparse_parameter_and_changes_nothing(layout, write):
+    m = _sparse_module(layout)
+    before = m.p.detach().clone()
+    with ts.constant(m):
+        with pytest.raises(RuntimeError, match=r"constant: .*parameter 'p'"):
+            WRITES[write](m.p)
+    assert m.p.layout == before.layout
+    assert torch.equal(m.p.detach().to_dense(), before.to_dense())
+    assert torch.equal(_indices(m.p.detach()), _indices(before))
+    WRITES[write](m.p)  # outside the block PyTorch accepts the write
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_constant_allows_copies_and_no_op_conversions_of_a_sparse_parameter(layout):
+    m = _sparse_module(layout)
+    before = m.p.detach().clone()
+    with ts.constant(m):
+        c = m.p.detach().clone()
+        _values(c).mul_(2)
+        d = m.p.to_dense()
+        d.mul_(2)
+        if m.p.layout == torch.sparse_coo:
+            m.p.detach().coalesce().clone()._values().mul_(2)
+        m.float()  # the model is float already: nothing changes
+        m.to("cpu")
+        with pytest.raises(RuntimeError, match=r"'p'"):
+            m.p.data = m.p.detach().double()  # new values: refused
+    assert m.p.dtype == torch.float32
+    assert torch.equal(m.p.detach().to_dense(), before.to_dense())
+    torch.testing.assert_close(d, before.to_dense() * 2)
+
+
+@pytest.mark.parametrize("make", [lambda p: torch.optim.SGD(p, lr=0.1),
+                                  lambda p: torch.optim.SparseAdam(p, lr=0.1)],
+                         ids=["SGD", "SparseAdam"])
+def test_constant_refuses_a_sparse_gradient_step_on_an_embedding(make):
+    torch.manual_seed(0)
+    emb = nn.Embedding(6, 3, sparse=True)
+    opt = make(list(emb.parameters()))
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()  # a step outside the block: allowed
+    opt.zero_grad()
+    with ts.constant(emb):
+        emb(torch.tensor([1, 3])).sum().backward()  # gradients accumulate: allowed
+        assert emb.weight.grad.layout == torch.sparse_coo
+        w, g = emb.weight.detach().clone(), emb.weight.grad.to_dense().clone()
+        with pytest.raises(RuntimeError, match=r"constant: .*'weight'"):
+            opt.step()
+    assert torch.equal(emb.weight, w) and torch.equal(emb.weight.grad.to_dense(), g)
+    ref = copy.deepcopy(emb)
+    opt.step()  # outside: the step happens
+    assert not torch.equal(emb.weight, ref.weight)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a torch.optim step refused inside constant has already updated the optimizer's own state "
+    "(SGD momentum buffer, SparseAdam/Adagrad moments) before reaching the parameter write; "
+    "expected the optimizer state unchanged"))
+def test_a_refused_step_leaves_the_optimizer_state_unchanged():
+    torch.manual_seed(0)
+    emb = nn.Embedding(6, 3, sparse=True)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1, momentum=0.9)
+    emb(torch.tensor([1, 2])).sum().backward()
+    opt.step()
+    state = copy.deepcopy(opt.state_dict())
+    with ts.constant(emb):
+        with pytest.raises(RuntimeError):
+            opt.step()
+    assert str(opt.state_dict()) == str(state)

@@ -601,11 +601,17 @@ class _RefuseRebind(TorchFunctionMode):
 
 def _same_data(p: Tensor, new) -> bool:
     """``p.data = new`` changes nothing: ``new`` is ``p``'s own memory, seen the same way."""
-    return (isinstance(new, Tensor) and new.device == p.device and new.dtype == p.dtype
-            and new.layout == p.layout and new.shape == p.shape
-            and (new.numel() == 0 or (new.layout == torch.strided
-                                      and new.data_ptr() == p.data_ptr()
-                                      and new.stride() == p.stride())))
+    if not (isinstance(new, Tensor) and new.device == p.device and new.dtype == p.dtype
+            and new.layout == p.layout and new.shape == p.shape):
+        return False
+    if new.numel() == 0:
+        return True
+    # a sparse tensor's memory is that of its indices and values (module.float(), .to(device)
+    # on a model already there hand the parameter's own data back)
+    mine, theirs = _parts(p), _parts(new)
+    return bool(mine) and len(mine) == len(theirs) and all(
+        a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+        for a, b in zip(mine, theirs))
 
 
 class constant(_Context):
