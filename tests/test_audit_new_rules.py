@@ -799,3 +799,201 @@ def test_a_refused_step_leaves_the_optimizer_state_unchanged():
         with pytest.raises(RuntimeError):
             opt.step()
     assert str(opt.state_dict()) == str(state)
+
+
+# ============================================================================ 5. momentum=None
+def _bn_net(norm="bn1d", momentum=None, trained=True):
+    torch.manual_seed(0)
+    layer = {"bn1d": lambda: nn.BatchNorm1d(3, momentum=momentum),
+             "sync": lambda: nn.SyncBatchNorm(3, momentum=momentum),
+             "in1d": lambda: nn.InstanceNorm1d(3, momentum=momentum, affine=True,
+                                               track_running_stats=True)}[norm]()
+    if norm == "in1d":
+        net = nn.Sequential(nn.Conv1d(3, 3, 1), layer, nn.Conv1d(3, 1, 1))
+    else:
+        net = nn.Sequential(nn.Linear(3, 3), layer, nn.Linear(3, 1))
+    if trained and norm != "sync":
+        net(_bn_x(norm))
+    elif trained:  # SyncBatchNorm trains only under a process group: statistics by hand
+        with torch.no_grad():
+            layer.running_mean.add_(0.5)
+            layer.running_var.mul_(2)
+            layer.num_batches_tracked.add_(3)
+    return net
+
+
+def _bn_x(norm, dtype=torch.float32, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((8, 3, 5) if norm == "in1d" else (8, 3), generator=g, dtype=dtype)
+
+
+def _stats(net):
+    return [net[1].running_mean.clone(), net[1].running_var.clone(),
+            int(net[1].num_batches_tracked)]
+
+
+def _eval_out(net, x):
+    """What a frozen layer computes: the plain layer in eval mode (the running statistics)."""
+    plain = copy.deepcopy(net)
+    ts.detach_hooks(plain)
+    return plain.eval()(x)
+
+
+NORMS = ["bn1d", "sync", "in1d"]
+
+
+@pytest.mark.parametrize("norm", ["bn1d", "sync"])
+def test_a_held_momentum_none_layer_holds_its_statistics_and_refuses_a_reset_by_hand(norm):
+    net = _bn_net(norm)
+    with ts.freeze_except(net, "2"):
+        held = _stats(net)
+        out = net(_bn_x(norm))
+        torch.testing.assert_close(out, _eval_out(net, _bn_x(norm)))
+        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b
+                   for a, b in zip(_stats(net), held))
+        net[1].reset_running_stats()
+        fl = flags(net)
+        with pytest.raises(RuntimeError, match=r"\(momentum=None\) were reset while"):
+            net(_bn_x(norm))
+        assert flags(net) == fl and net[1].training  # the refusal restored nothing wrongly
+        assert int(net[1].num_batches_tracked) == 0
+    net(_bn_x(norm)) if norm != "sync" else None  # outside the block: plain PyTorch again
+
+
+def test_a_held_instance_norm_with_momentum_none_is_never_refused():
+    """InstanceNorm never counts batches (its count stays 0) and update_bn does not touch it:
+    loads, conversions and resets by hand are held as they are, with no error."""
+    net, other = _bn_net("in1d"), _bn_net("in1d")
+    with torch.no_grad():
+        other[1].running_mean.add_(2.0)
+    with ts.freeze_except(net, "2"):
+        net.load_state_dict(other.state_dict())
+        net(_bn_x("in1d"))
+        assert torch.equal(net[1].running_mean, other[1].running_mean)
+        net.double()
+        net(_bn_x("in1d", torch.float64))
+        net[1].reset_running_stats()
+        out = net(_bn_x("in1d", torch.float64))
+        torch.testing.assert_close(out, _eval_out(net, _bn_x("in1d", torch.float64)))
+        assert torch.equal(net[1].running_mean, torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("norm", ["bn1d", "in1d"])
+@pytest.mark.parametrize("convert", ["double", "half-float", "to(float64)", "assign-load"])
+def test_converting_a_held_momentum_none_layer_with_trained_statistics_is_not_a_reset(
+        norm, convert):
+    net = _bn_net(norm)
+    dtype = torch.float32
+    with ts.freeze_except(net, "2"):
+        if convert == "double":
+            net.double()
+            dtype = torch.float64
+        elif convert == "half-float":
+            net.half()
+            net.float()
+        elif convert == "to(float64)":
+            net.to(torch.float64)
+            dtype = torch.float64
+        else:
+            net.load_state_dict({k: v.clone() for k, v in net.state_dict().items()}, assign=True)
+        held = _stats(net)
+        out = net(_bn_x(norm, dtype))  # no error
+        torch.testing.assert_close(out, _eval_out(net, _bn_x(norm, dtype)))
+        assert all(torch.equal(a, b) if torch.is_tensor(a) else a == b
+                   for a, b in zip(_stats(net), held))
+        if norm == "bn1d":
+            net[1].reset_running_stats()  # a reset after the conversion is still refused
+            with pytest.raises(RuntimeError, match="were reset while"):
+                net(_bn_x(norm, dtype))
+
+
+@pytest.mark.parametrize("convert", ["double", "half-float", "assign-load"])
+@pytest.mark.parametrize("then", ["forward", "update_bn"])
+def test_a_held_layer_never_trained_converted_then_recomputed_is_refused(convert, then):
+    """Statistics never trained (count 0) are what a reset leaves: after a conversion (a new
+    tensor, whose version counter may equal the old one's) a forward cannot be told apart from
+    update_bn's, which would leave the reset values held: refused either way."""
+    from torch.optim.swa_utils import update_bn
+    net = _bn_net(trained=False)
+    dtype = torch.float64 if convert == "double" else torch.float32
+    with ts.freeze_except(net, "2"):
+        if convert == "double":
+            net.double()
+        elif convert == "half-float":
+            net.half().float()
+        else:
+            net.load_state_dict({k: v.clone() for k, v in net.state_dict().items()}, assign=True)
+        with pytest.raises(RuntimeError, match="were reset while"):
+            if then == "forward":
+                net(_bn_x("bn1d", dtype))
+            else:
+                update_bn([_bn_x("bn1d", dtype)], net)
+    update_bn([_bn_x("bn1d", dtype)], net)  # outside: recomputed
+    assert int(net[1].num_batches_tracked) == 1
+
+
+def test_update_bn_after_a_conversion_and_loads_of_trained_and_untrained_statistics():
+    from torch.optim.swa_utils import update_bn
+    data = [_bn_x("bn1d", seed=s) for s in range(3)]
+    net, trained, fresh = _bn_net(), _bn_net(), _bn_net(trained=False)
+    trained[1].running_mean.add_(1.0)
+    with ts.freeze_except(net, "2"):
+        net.double().float()
+        with pytest.raises(RuntimeError, match="were reset while"):
+            update_bn(data, net)
+        net.load_state_dict(trained.state_dict())  # trained statistics: held
+        net(data[0])
+        assert torch.equal(net[1].running_mean, trained[1].running_mean)
+        net.load_state_dict(fresh.state_dict())  # untrained: what a reset writes
+        with pytest.raises(RuntimeError, match="were reset while"):
+            net(data[0])
+    plain = copy.deepcopy(net)
+    update_bn(data, net)  # outside the block: update_bn works
+    ts.detach_hooks(plain)
+    update_bn(data, plain)
+    torch.testing.assert_close(net[1].running_mean, plain[1].running_mean)
+
+
+def test_a_deepcopy_made_during_the_hold_is_plain_and_the_original_still_held():
+    from torch.optim.swa_utils import update_bn
+    data = [_bn_x("bn1d", seed=s) for s in range(3)]
+    net = _bn_net()
+    with ts.freeze_except(net, "2"):
+        twin = copy.deepcopy(net)
+        update_bn(data, twin)  # a copy: plain PyTorch, recomputed
+        plain = _bn_net()
+        plain[0].requires_grad_(False)
+        update_bn(data, plain)
+        torch.testing.assert_close(twin[1].running_mean, plain[1].running_mean)
+        held = _stats(net)
+        net(data[0])
+        assert torch.equal(net[1].running_mean, held[0])
+
+
+def test_momentum_changed_from_none_to_a_number_and_back_during_the_hold():
+    net = _bn_net()
+    with ts.freeze_except(net, "2"):
+        held = _stats(net)
+        net[1].momentum = 0.1
+        net(_bn_x("bn1d"))
+        assert torch.equal(net[1].running_mean, held[0])  # still held
+        net[1].momentum = None
+        net(_bn_x("bn1d"))
+        assert torch.equal(net[1].running_mean, held[0])
+        net[1].momentum = 0.1
+        net[1].reset_running_stats()
+        net[1].momentum = None
+        with pytest.raises(RuntimeError, match="were reset while"):
+            net(_bn_x("bn1d"))
+
+
+def test_a_layer_built_with_a_momentum_switched_to_none_is_recomputing_plainly():
+    """update_bn's own path for a layer built with a momentum: plain PyTorch."""
+    from torch.optim.swa_utils import update_bn
+    data = [_bn_x("bn1d", seed=s) for s in range(3)]
+    net, plain = _bn_net(momentum=0.1), _bn_net(momentum=0.1)
+    with ts.freeze_except(net, "2"):
+        update_bn(data, net)
+    update_bn(data, plain)
+    torch.testing.assert_close(net[1].running_mean, plain[1].running_mean)
+    torch.testing.assert_close(net[1].running_var, plain[1].running_var)
