@@ -997,3 +997,157 @@ def test_a_layer_built_with_a_momentum_switched_to_none_is_recomputing_plainly()
     update_bn(data, plain)
     torch.testing.assert_close(net[1].running_mean, plain[1].running_mean)
     torch.testing.assert_close(net[1].running_var, plain[1].running_var)
+
+
+# ============================================================================ 6. unread writes
+def _assign(root, layer):
+    root.load_state_dict({k: v.clone() for k, v in root.state_dict().items()}, assign=True)
+
+
+def _direct(root, layer):
+    w = layer.weight
+    layer.weight = nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
+
+
+def _delete_then_register(root, layer):
+    """What sharding wrappers do: the old parameter deleted, a new one registered."""
+    w = layer.weight
+    del layer.weight
+    layer.register_parameter("weight", nn.Parameter(w.detach().clone(),
+                                                    requires_grad=w.requires_grad))
+
+
+REPLACE = {"assign": _assign, "direct": _direct, "delete-then-register": _delete_then_register}
+
+
+def _observe(*models):
+    return tuple((flags(m), reads(m)) for m in models)
+
+
+def _one_model(replace, ctx, write, seen):
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    ts.attach(m)
+    if ctx == "unfreeze":
+        m[0].requires_grad_(False)
+    make = {"none": None, "freeze": lambda: ts.freeze(m, "0"),
+            "freeze_except": lambda: ts.freeze_except(m, "1"),
+            "unfreeze": lambda: ts.unfreeze(m, "0"),
+            "mark_trainable": lambda: ts.mark_trainable(m, "1")}[ctx]
+    block = make() if make is not None else None
+    m[0].weight.requires_grad_(write)
+    if seen:
+        ts.attach(m)
+    REPLACE[replace](m, m[0])
+    m(torch.randn(1, 2))
+    out = [_observe(m)]
+    if block is not None and ctx != "mark_trainable":
+        block.__exit__(None, None, None)
+        m(torch.randn(1, 2))
+        out.append(_observe(m))
+    with ts.freeze(m, "1"):
+        out.append(_observe(m))
+    out.append(_observe(m))
+    return out
+
+
+@pytest.mark.parametrize("replace", list(REPLACE))
+@pytest.mark.parametrize("ctx", ["none", "freeze", "freeze_except", "unfreeze", "mark_trainable"])
+@pytest.mark.parametrize("write", [True, False])
+def test_an_unread_write_then_a_replacement_equals_the_same_with_attach_between(replace, ctx, write):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ts.RestoredFlagsWarning)
+        unseen = _one_model(replace, ctx, write, seen=False)
+        seen = _one_model(replace, ctx, write, seen=True)
+    assert unseen == seen
+
+
+def test_the_write_is_kept_through_the_replacement_and_released_with_the_context():
+    """What the common outcome is: the write stands inside the block, the copy keeps it, and
+    on exit the starting flags come back (the write was made inside the block)."""
+    for replace in REPLACE:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ts.RestoredFlagsWarning)
+            m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+            with ts.freeze(m, "0"):
+                m[0].weight.requires_grad_(True)
+                REPLACE[replace](m, m[0])
+                m(torch.randn(1, 2))
+                assert m[0].weight.requires_grad and not m[0].bias.requires_grad, replace
+                assert ts.is_trainable(m, m[0].weight), replace
+        assert flags(m) == reads(m) == [True] * 4, replace
+
+
+def _shared(replace, ctx, write, seen, attach_which):
+    shared = nn.Linear(2, 2)
+    a = nn.Sequential(nn.Linear(2, 2), shared)
+    b = nn.Sequential(shared, nn.Linear(2, 1))
+    ts.attach(a)
+    ts.attach(b)
+    make = {"none": None, "freeze_a": lambda: ts.freeze(a, "1"),
+            "freeze_b": lambda: ts.freeze(b, "0"),
+            "mark_b": lambda: ts.mark_trainable(b, "1")}[ctx]
+    block = make() if make is not None else None
+    shared.weight.requires_grad_(write)
+    if seen:
+        ts.attach(a if attach_which == "a" else b)
+    root = {"assign": a, "direct": None, "delete-then-register": None}[replace]
+    REPLACE[replace](root, shared)
+    a(torch.randn(1, 2))
+    b(torch.randn(1, 2))
+    out = [_observe(a, b)]
+    if block is not None and ctx != "mark_b":
+        block.__exit__(None, None, None)
+        out.append(_observe(a, b))
+    with ts.freeze(a, "0"):
+        out.append(_observe(a, b))
+    out.append(_observe(a, b))
+    return out
+
+
+@pytest.mark.parametrize("replace", list(REPLACE))
+@pytest.mark.parametrize("ctx", ["none", "freeze_a", "freeze_b", "mark_b"])
+@pytest.mark.parametrize("attach_which", ["a", "b"])
+@pytest.mark.parametrize("write", [True, False])
+def test_two_models_sharing_the_layer_an_unread_write_then_a_replacement(replace, ctx,
+                                                                         attach_which, write):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ts.RestoredFlagsWarning)
+        unseen = _shared(replace, ctx, write, False, attach_which)
+        seen = _shared(replace, ctx, write, True, attach_which)
+    assert unseen == seen
+
+
+def _tied(replace, ctx, write, seen):
+    emb, head = nn.Embedding(4, 2), nn.Linear(2, 4, bias=False)
+    head.weight = emb.weight
+    m = nn.ModuleDict({"emb": emb, "mid": nn.Linear(2, 2), "head": head})
+    ts.attach(m)
+    make = {"none": None, "freeze_head": lambda: ts.freeze(m, "head"),
+            "freeze_emb": lambda: ts.freeze(m, "emb"),
+            "freeze_except_mid": lambda: ts.freeze_except(m, "mid")}[ctx]
+    block = make() if make is not None else None
+    emb.weight.requires_grad_(write)
+    if seen:
+        ts.attach(m)
+    if replace == "retie":
+        new = nn.Parameter(emb.weight.detach().clone(), requires_grad=emb.weight.requires_grad)
+        emb.weight = new
+        head.weight = new
+    else:
+        _assign(m, None)
+    m["mid"](torch.randn(1, 2))
+    ts.trainable_parameters(m)
+    out = [_observe(m)]
+    if block is not None:
+        block.__exit__(None, None, None)
+        out.append(_observe(m))
+    return out
+
+
+@pytest.mark.parametrize("replace", ["retie", "assign"])
+@pytest.mark.parametrize("ctx", ["none", "freeze_head", "freeze_emb", "freeze_except_mid"])
+@pytest.mark.parametrize("write", [True, False])
+def test_tied_weights_an_unread_write_then_a_replacement(replace, ctx, write):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ts.RestoredFlagsWarning)
+        assert _tied(replace, ctx, write, False) == _tied(replace, ctx, write, True)
