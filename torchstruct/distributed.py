@@ -135,7 +135,10 @@ def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
         variable = getattr(node, "variable", None)
         if variable is not None:
             pending.pop(id(variable), None)
-        nodes.extend(n for n, _ in node.next_functions if n is not None)
+        # a custom function's inputs whose gradient a stop_gradient block cuts get nothing
+        cut = getattr(node, "_torchstruct_cut", ())
+        nodes.extend(n for i, (n, _) in enumerate(node.next_functions)
+                     if n is not None and i not in cut)
     return list(pending.values())
 
 
