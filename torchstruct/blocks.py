@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import inspect
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -188,6 +189,7 @@ class _Substitute(TorchFunctionMode):
             if not done:
                 ctx.register_hook(_drop_gradients(done))
             done |= needed
+            _save_stand_ins(ctx, {id(tensors[i]): tensors[i] for i in needed})
 
     def _sub_wrapped(self, x):
         """``x`` wraps a tensor for a torch.func transform: replaced (at its level: the
@@ -263,6 +265,27 @@ def _first_argument(frame):
         if isinstance(star, tuple) and star:
             return star[0]
     return None
+
+
+def _save_stand_ins(ctx, blocked: dict[int, Tensor]) -> None:
+    """What custom function node ``ctx`` saves of a ``blocked`` parameter (by
+    ``ctx.save_for_backward``, before or after now) is its ``.detach()`` alias: the same
+    memory and version counter, so the backward computes the same values, but a backward run
+    with ``create_graph=True`` builds no graph back to the parameter (a second derivative
+    gives it nothing, as with the parameter detached by hand)."""
+    table = ctx.__dict__.setdefault("_torchstruct_saved", {})
+    table.update(blocked)
+
+    def swap(tensors):
+        return tuple(t.detach() if isinstance(t, Tensor) and table.get(id(t)) is t else t
+                     for t in tensors)
+
+    saved = getattr(ctx, "to_save", None)
+    if saved:
+        ctx.to_save = swap(saved)
+    if "save_for_backward" not in ctx.__dict__:
+        node, save = weakref.ref(ctx), type(ctx).save_for_backward
+        ctx.save_for_backward = lambda *tensors: save(node(), *swap(tensors))
 
 
 def _drop_gradients(positions: set[int]):
