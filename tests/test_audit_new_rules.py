@@ -1249,3 +1249,68 @@ def test_fully_shard_after_an_unread_write_equals_the_same_with_attach_between(g
 
     assert scenario(True) == (([True, False, True, True], [True, False, True, True]),)
     assert scenario(False) == scenario(True)
+
+
+# ============================================================================ 3 x checkpointing
+class Checkpointed(nn.Module):
+    def __init__(self, closure=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(3, 3), nn.Linear(3, 1)
+        self.closure = closure
+
+    def forward(self, x):
+        fn = (lambda t: self.body(t)) if self.closure else self.body
+        return self.head(checkpoint.checkpoint(fn, x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("closure", [False, True], ids=["module", "closure"])
+def test_ddp_reentrant_checkpoint_with_a_block_elsewhere_is_plain_ddp(group, closure):
+    """A reentrant checkpoint's node has no edge to the parameters it uses (its backward
+    recomputes): they are not 'kept out' by a block, and DDP reduces them as usual."""
+    m = Checkpointed(closure)
+    ref = copy.deepcopy(m)
+    ddp = DDP(m)
+    other = nn.Linear(2, 2)
+    x = X3.clone().requires_grad_()
+    for _ in range(2):
+        with ts.stop_gradient(other):  # a block active: the check walks the graph
+            ddp(x).sum().backward()
+        ref(x).sum().backward()
+    assert same_grads(grads(m), grads(ref))
+
+
+def test_ddp_reentrant_checkpoint_and_a_block_over_a_parameter_outside_it_is_refused(group):
+    m = Checkpointed()
+    ddp = DDP(m)
+    x = X3.clone().requires_grad_()
+    with ts.stop_gradient(m, "head.bias"):
+        with pytest.raises(RuntimeError, match=r"reaches 'head\.bias' \("):  # only that one
+            ddp(x)
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=8, vocab_size=16, n_positions=8,
+                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(cfg)
+
+
+def test_ddp_hf_gradient_checkpointing_reentrant_with_a_block(group):
+    g = _tiny_gpt2()
+    g.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    g.train()
+    ref = copy.deepcopy(g)
+    ddp = DDP(g)
+    ids = torch.randint(0, 16, (2, 6))
+    with ts.stop_gradient(g, "transformer.wpe"):  # blocked in its only use
+        with pytest.raises(RuntimeError, match=r"reaches 'transformer\.wpe\.weight' \("):
+            ddp(ids, labels=ids)
+    g.zero_grad(set_to_none=True)
+    with ts.stop_gradient(nn.Linear(2, 2)):  # a block elsewhere: plain DDP
+        ddp(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    assert all(same(p.grad, q.grad, atol=1e-5) for p, q in zip(g.parameters(), ref.parameters()))
