@@ -1314,3 +1314,16 @@ def test_ddp_hf_gradient_checkpointing_reentrant_with_a_block(group):
         ddp(ids, labels=ids).loss.backward()
     ref(ids, labels=ids).loss.backward()
     assert all(same(p.grad, q.grad, atol=1e-5) for p, q in zip(g.parameters(), ref.parameters()))
+
+
+def test_an_eval_forward_after_a_reset_is_plain_and_the_next_train_forward_refuses():
+    """In eval mode nothing would be updated, held or not: no refusal there."""
+    net = _bn_net()
+    with ts.freeze_except(net, "2"):
+        net[1].reset_running_stats()
+        net.eval()
+        x = _bn_x("bn1d")
+        torch.testing.assert_close(net(x), _eval_out(net, x))
+        net.train()
+        with pytest.raises(RuntimeError, match="were reset while"):
+            net(x)

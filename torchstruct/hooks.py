@@ -331,6 +331,8 @@ def _refuse_reset(module: nn.Module) -> None:
         return
     if not isinstance(module, nn.modules.batchnorm._BatchNorm):
         return  # update_bn recomputes batch norms only; instance norms never count batches
+    if not module.training:
+        return  # an eval forward updates nothing, held or not: decided at the next train one
     if stats is not None and held is not None and held() is stats and stats._version == version:
         return  # nothing wrote the statistics since the hold began
     count = getattr(module, "num_batches_tracked", None)
