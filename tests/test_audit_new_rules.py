@@ -1327,3 +1327,77 @@ def test_an_eval_forward_after_a_reset_is_plain_and_the_next_train_forward_refus
         net.train()
         with pytest.raises(RuntimeError, match="were reset while"):
             net(x)
+
+
+def test_tied_weights_through_functional_call_inside_stop_gradient():
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(5, 3), nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid, self.head = emb, nn.Linear(3, 3), head
+
+        def forward(self, i):
+            return self.head(self.mid(self.emb(i)))
+
+    m, ids = Tied(), torch.tensor([0, 2, 4])
+    params = dict(m.named_parameters())  # the tied weight once, as emb.weight
+    with ts.stop_gradient(m, "head"):
+        got = grad(lambda p: functional_call(m, p, (ids,)).pow(2).sum())(params)
+    want = grad(lambda p: functional_call(m, {**p, "emb.weight": p["emb.weight"].detach()},
+                                          (ids,)).pow(2).sum())(params)
+    assert _close_trees(got, want) and torch.equal(got["emb.weight"], torch.zeros(5, 3))
+
+
+def _random_script(rng):
+    script = []
+    for _ in range(rng.randint(2, 8)):
+        kind = rng.choice(["enter", "exit", "write", "replace", "forward"])
+        if kind == "enter":
+            script.append((kind, rng.choice(["freeze", "freeze_except", "unfreeze"]),
+                           rng.choice(["0", "1", "2", "0.weight", "1.bias"])))
+        elif kind == "write":
+            script.append((kind, rng.randrange(6), rng.random() < 0.5))
+        elif kind == "replace":
+            script.append((kind, rng.randrange(3), rng.choice(list(REPLACE))))
+        else:
+            script.append((kind,))
+    return script
+
+
+def _play(script, seen):
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+    ts.attach(m)
+    stack, seen_flags = [], []
+    make = {"freeze": ts.freeze, "freeze_except": ts.freeze_except, "unfreeze": ts.unfreeze}
+    for op in script:
+        if op[0] == "enter":
+            stack.append(make[op[1]](m, op[2]))
+        elif op[0] == "exit" and stack:
+            stack.pop().__exit__(None, None, None)
+        elif op[0] == "write":
+            list(m.parameters())[op[1]].requires_grad_(op[2])
+        elif op[0] == "replace":
+            if seen:  # an application reads the writes first (two that cancel out are
+                ts.attach(m)  # not seen either way, as documented)
+            REPLACE[op[2]](m[op[1]], m[op[1]])
+        elif op[0] == "forward":
+            m(torch.randn(1, 2))
+        if op[0] in ("enter", "exit", "forward"):  # after an application (not a bare write:
+            seen_flags.append(_observe(m))        # until one, a new parameter's flag is its own)
+    while stack:
+        stack.pop().__exit__(None, None, None)
+        seen_flags.append(_observe(m))
+    return seen_flags
+
+
+def test_random_scripts_of_writes_contexts_and_replacements_equal_those_with_attach_before():
+    import random
+    rng = random.Random(1234)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ts.RestoredFlagsWarning)
+        for _ in range(200):
+            script = _random_script(rng)
+            assert _play(script, False) == _play(script, True), script
