@@ -1401,3 +1401,36 @@ def test_random_scripts_of_writes_contexts_and_replacements_equal_those_with_att
         for _ in range(200):
             script = _random_script(rng)
             assert _play(script, False) == _play(script, True), script
+
+
+def test_forward_mode_duals_of_a_blocked_parameter_outside_torch_func():
+    """fwAD.make_dual(p, t) inside the block is made from the stand-in, as
+    make_dual(p.detach(), t) by hand: the tangent flows, no reverse-mode gradient reaches p."""
+    import torch.autograd.forward_ad as fwAD
+
+    def run(blocked):
+        m, x, t = _lin_model(), X3.clone(), torch.ones(2, 3)
+        with fwAD.dual_level():
+            if blocked:
+                with ts.stop_gradient(m, "weight"):
+                    y = x @ fwAD.make_dual(m.weight, t).t() + m.bias
+            else:
+                y = x @ fwAD.make_dual(m.weight.detach(), t).t() + m.bias
+            tangent = fwAD.unpack_dual(y).tangent.detach().clone()
+        y.sum().backward()
+        return tangent, m.weight.grad, m.bias.grad
+
+    got, want = run(True), run(False)
+    assert torch.equal(got[0], want[0]) and got[1] is None and want[1] is None
+    assert same(got[2], want[2])
+
+
+def test_jvp_inside_the_block_leaves_no_reverse_mode_path_to_the_parameter():
+    m = _lin_model()
+    params = dict(m.named_parameters())
+    tangents = {k: torch.ones_like(v) for k, v in params.items()}
+    with ts.stop_gradient(m, "weight"):
+        out, tangent = jvp(lambda q: functional_call(m, q, (X3,)), (params,), (tangents,))
+    (out.sum() + tangent.sum()).backward()
+    assert m.weight.grad is None and torch.equal(m.bias.grad, torch.full((2,), 4.0))
+    torch.testing.assert_close(tangent, torch.ones(4, 2))  # only the bias's tangent

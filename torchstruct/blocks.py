@@ -72,10 +72,7 @@ def _check_model(ctx: str, model) -> None:
 # methods that write a parameter's flag or hooks: like attribute writes, they act on the
 # parameter itself (``model.requires_grad_(False)`` inside a block freezes the model)
 _ON_PARAMETER = frozenset({"requires_grad_", "register_hook", "register_post_accumulate_grad_hook",
-                           "retain_grad",
-                           # torch.func.jvp makes its duals from the variables it is handed:
-                           # the block replaces the dual's uses (see _Substitute._sub_wrapped)
-                           "_make_dual"})
+                           "retain_grad"})
 
 
 class _Substitute(TorchFunctionMode):
@@ -122,6 +119,11 @@ class _Substitute(TorchFunctionMode):
         if name == "__get__":  # a property read: which property?
             name = getattr(getattr(func, "__self__", None), "__name__", None)
         if name in ("__set__", "__delete__") or name in _ON_PARAMETER or name in self.own:
+            return func(*args, **kwargs)
+        if name == "_make_dual" and torch._C._are_functorch_transforms_active():
+            # torch.func.jvp makes its duals from the variables it is handed: the block
+            # replaces the dual's uses instead (see _sub_wrapped). Outside torch.func, a dual
+            # made from the parameter is made from its stand-in
             return func(*args, **kwargs)
         if name == "requires_grad" and sys._getframe(1).f_code in _COPYING:
             return func(*args, **kwargs)  # a copy or a save of the parameter: its own flag
