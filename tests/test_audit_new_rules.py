@@ -1434,3 +1434,35 @@ def test_jvp_inside_the_block_leaves_no_reverse_mode_path_to_the_parameter():
     (out.sum() + tangent.sum()).backward()
     assert m.weight.grad is None and torch.equal(m.bias.grad, torch.full((2,), 4.0))
     torch.testing.assert_close(tangent, torch.ones(4, 2))  # only the bias's tangent
+
+
+def test_ddp_blocks_are_per_thread(group):
+    """A block in one thread refuses that thread's forward only; another thread's forward of
+    the same wrapper, while the block is open, is plain DDP."""
+    m = TwoBranch()
+    ref = copy.deepcopy(m)
+    ddp = DDP(m)
+    said = {}
+
+    def blocked():
+        with ts.stop_gradient(m, "a"):
+            try:
+                ddp(XD)
+            except RuntimeError as e:
+                said["blocked"] = str(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    t.join()
+    assert "reaches 'a.weight', 'a.bias'" in said["blocked"]
+    assert grads(m) == [None] * 4
+
+    def plain():
+        ddp(XD).sum().backward()
+
+    with ts.stop_gradient(m, "a"):  # open in this thread only
+        t = threading.Thread(target=plain)
+        t.start()
+        t.join()
+    ref(XD).sum().backward()
+    assert same_grads(grads(m), grads(ref))
