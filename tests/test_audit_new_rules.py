@@ -444,7 +444,8 @@ TRANSFORMS = {
     "grad": lambda m, hand, p: grad(_cube(m, hand))(p),
     "jacrev": lambda m, hand, p: jacrev(_cube(m, hand))(p),
     "jacfwd": lambda m, hand, p: jacfwd(_cube(m, hand))(p),
-    "hessian": lambda m, hand, p: hessian(_cube(m, hand))({k: p[k] for k in ("0.weight", "0.bias")}),
+    "hessian": lambda m, hand, p: hessian(_cube(m, hand))(
+        {k: p[k] for k in ("0.weight", "0.bias")}),
     "vjp": lambda m, hand, p: vjp(lambda q: functional_call(m, _by_hand(q) if hand else q, (XF,)),
                                   p)[1](torch.ones(4, 1)),
     "jvp": lambda m, hand, p: jvp(lambda q: functional_call(m, _by_hand(q) if hand else q, (XF,)),
@@ -1080,7 +1081,8 @@ def _one_model(replace, ctx, write, seen):
 @pytest.mark.parametrize("replace", list(REPLACE))
 @pytest.mark.parametrize("ctx", ["none", "freeze", "freeze_except", "unfreeze", "mark_trainable"])
 @pytest.mark.parametrize("write", [True, False])
-def test_an_unread_write_then_a_replacement_equals_the_same_with_attach_between(replace, ctx, write):
+def test_an_unread_write_then_a_replacement_equals_the_same_with_attach_between(replace, ctx,
+                                                                              write):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ts.RestoredFlagsWarning)
         unseen = _one_model(replace, ctx, write, seen=False)
