@@ -251,7 +251,8 @@ def _apply_inputs(apply_locals: dict) -> tuple:
 def _is_pack_hook(frame) -> bool:
     """Whether ``frame`` runs the saved-tensor pack hook in force (``apply`` calls it after
     the forward, to pack what the forward saved: non-reentrant checkpointing, offloading)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
     return bool(hooks) and getattr(hooks[0], "__code__", None) is frame.f_code
 
 
