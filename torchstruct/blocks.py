@@ -38,13 +38,16 @@ through its dispatch mode as well.
 from __future__ import annotations
 
 import bisect
+import inspect
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch._C import _functorch
+from torch.autograd.function import _is_setup_context_defined
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -117,6 +120,11 @@ class _Substitute(TorchFunctionMode):
             name = getattr(getattr(func, "__self__", None), "__name__", None)
         if name in ("__set__", "__delete__") or name in _ON_PARAMETER or name in self.own:
             return func(*args, **kwargs)
+        if name == "_make_dual" and torch._C._are_functorch_transforms_active():
+            # torch.func.jvp makes its duals from the variables it is handed: the block
+            # replaces the dual's uses instead (see _sub_wrapped). Outside torch.func, a dual
+            # made from the parameter is made from its stand-in
+            return func(*args, **kwargs)
         if name == "requires_grad" and sys._getframe(1).f_code in _COPYING:
             return func(*args, **kwargs)  # a copy or a save of the parameter: its own flag
         # inside torch.func transforms, the parameters may come wrapped (grad over
@@ -125,7 +133,10 @@ class _Substitute(TorchFunctionMode):
         self.wrapped = (torch._C._are_functorch_transforms_active()
                         and func is not torch.autograd.grad)
         new_args, new_kwargs = self._sub(args), self._sub(kwargs)
-        if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and (
+        # a custom function's forward runs with both grad modes off; it may turn grad mode
+        # back on (torch.enable_grad inside the forward), never forward grad mode
+        if not torch.compiler.is_compiling() and not (
+                torch.is_grad_enabled() and torch._C._is_fwd_grad_enabled()) and (
                 new_args is not args or any(new_kwargs[k] is not v for k, v in kwargs.items())):
             self._refuse_recompute()
             self._cut_custom_functions()
@@ -141,8 +152,9 @@ class _Substitute(TorchFunctionMode):
         frame = sys._getframe(2)
         while frame is not None:
             caller = frame.f_back
-            if caller is not None and caller.f_code is _FUNCTION_APPLY:
-                self._cut(frame, caller.f_locals.get("args", ()))
+            if (caller is not None and caller.f_code is _FUNCTION_APPLY
+                    and not _is_pack_hook(frame)):
+                self._cut(frame, _apply_inputs(caller.f_locals))
             frame = caller
 
     def _cut(self, forward, args) -> None:
@@ -152,7 +164,7 @@ class _Substitute(TorchFunctionMode):
         if not cut:
             return
         code = forward.f_code
-        ctx = forward.f_locals.get(code.co_varnames[0]) if code.co_argcount else None
+        ctx = _first_argument(forward)
         if isinstance(ctx, torch.autograd.function.BackwardCFunction):
             edges = ctx.next_functions  # empty when apply records nothing (no_grad)
             needed = {i for i in cut if edges and edges[i][0] is not None}
@@ -179,16 +191,24 @@ class _Substitute(TorchFunctionMode):
             if not done:
                 ctx.register_hook(_drop_gradients(done))
             done |= needed
+            _save_stand_ins(ctx, {id(tensors[i]): tensors[i] for i in needed})
 
     def _sub_wrapped(self, x):
         """``x`` wraps a tensor for a torch.func transform: replaced (at its level: the
         stand-in of the wrapper, ``x.detach()`` inside ``stop_gradient``) when what it wraps,
-        all levels down, is a replaced parameter."""
+        all levels down, is a replaced parameter (or the alias of the whole parameter that
+        ``torch.func.jvp``, hence ``jacfwd`` and ``hessian``, makes its dual from)."""
         base = x
         while _functorch.is_functorch_wrapped_tensor(base):
             base = _functorch.get_unwrapped(base)
         hit = self.table.get(id(base))
-        return hit[1](x) if hit is not None and hit[0] is base else x
+        if hit is not None and hit[0] is base:
+            return hit[1](x)
+        root = base._base
+        hit = None if root is None else self.table.get(id(root))
+        if hit is not None and hit[0] is root and _whole_alias(base, root):
+            return hit[1](x)
+        return x
 
     def _refuse_recompute(self) -> None:
         """A stand-in used inside a reentrant checkpoint entered after the block, which will
@@ -204,6 +224,71 @@ class _Substitute(TorchFunctionMode):
                     "the block: its backward recomputes the function after the block has "
                     "exited, without the replacement, so the gradients would be wrong. Enter the "
                     "block inside the checkpointed function, or use use_reentrant=False")
+
+
+def _whole_alias(t: Tensor, p: Tensor) -> bool:
+    """``t`` sees exactly ``p``'s elements, the same way."""
+    return (t.shape == p.shape and t.stride() == p.stride() and t.dtype == p.dtype
+            and t.storage_offset() == p.storage_offset())
+
+
+def _apply_inputs(apply_locals: dict) -> tuple:
+    """The arguments of a running ``Function.apply`` in the order of its node's inputs:
+    keyword arguments are bound to the forward's parameters by name, after the positional
+    ones."""
+    args, kwargs = apply_locals.get("args", ()), apply_locals.get("kwargs")
+    if not kwargs:
+        return args
+    try:
+        names = list(inspect.signature(apply_locals["cls"].forward).parameters)
+    except (KeyError, TypeError, ValueError):
+        return tuple(args) + tuple(kwargs.values())
+    if not _is_setup_context_defined(apply_locals["cls"].setup_context):
+        names = names[1:]  # ctx
+    return tuple(args) + tuple(kwargs[n] for n in names[len(args):] if n in kwargs)
+
+
+def _is_pack_hook(frame) -> bool:
+    """Whether ``frame`` runs the saved-tensor pack hook in force (``apply`` calls it after
+    the forward, to pack what the forward saved: non-reentrant checkpointing, offloading)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    return bool(hooks) and getattr(hooks[0], "__code__", None) is frame.f_code
+
+
+def _first_argument(frame):
+    """The first argument the function running in ``frame`` was called with (a custom
+    function's ``ctx``), also through a decorator taking ``*args`` (``torch.amp.custom_fwd``),
+    or None."""
+    code = frame.f_code
+    if code.co_argcount:
+        return frame.f_locals.get(code.co_varnames[0])
+    if code.co_flags & inspect.CO_VARARGS:
+        star = frame.f_locals.get(code.co_varnames[code.co_kwonlyargcount])
+        if isinstance(star, tuple) and star:
+            return star[0]
+    return None
+
+
+def _save_stand_ins(ctx, blocked: dict[int, Tensor]) -> None:
+    """What custom function node ``ctx`` saves of a ``blocked`` parameter (by
+    ``ctx.save_for_backward``, before or after now) is its ``.detach()`` alias: the same
+    memory and version counter, so the backward computes the same values, but a backward run
+    with ``create_graph=True`` builds no graph back to the parameter (a second derivative
+    gives it nothing, as with the parameter detached by hand)."""
+    table = ctx.__dict__.setdefault("_torchstruct_saved", {})
+    table.update(blocked)
+
+    def swap(tensors):
+        return tuple(t.detach() if isinstance(t, Tensor) and table.get(id(t)) is t else t
+                     for t in tensors)
+
+    saved = getattr(ctx, "to_save", None)
+    if saved:
+        ctx.to_save = swap(saved)
+    if "save_for_backward" not in ctx.__dict__:
+        node, save = weakref.ref(ctx), type(ctx).save_for_backward
+        ctx.save_for_backward = lambda *tensors: save(node(), *swap(tensors))
 
 
 def _drop_gradients(positions: set[int]):
@@ -545,11 +630,17 @@ class _RefuseRebind(TorchFunctionMode):
 
 def _same_data(p: Tensor, new) -> bool:
     """``p.data = new`` changes nothing: ``new`` is ``p``'s own memory, seen the same way."""
-    return (isinstance(new, Tensor) and new.device == p.device and new.dtype == p.dtype
-            and new.layout == p.layout and new.shape == p.shape
-            and (new.numel() == 0 or (new.layout == torch.strided
-                                      and new.data_ptr() == p.data_ptr()
-                                      and new.stride() == p.stride())))
+    if not (isinstance(new, Tensor) and new.device == p.device and new.dtype == p.dtype
+            and new.layout == p.layout and new.shape == p.shape):
+        return False
+    if new.numel() == 0:
+        return True
+    # a sparse tensor's memory is that of its indices and values (module.float(), .to(device)
+    # on a model already there hand the parameter's own data back)
+    mine, theirs = _parts(p), _parts(new)
+    return bool(mine) and len(mine) == len(theirs) and all(
+        a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
+        for a, b in zip(mine, theirs))
 
 
 class constant(_Context):

@@ -39,14 +39,17 @@ parameters and gradients are handled where the ops meet the kernels (``torchstru
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel.distributed import _find_tensors
 
 from . import _state
 from ._state import _snapshot, flag_guards
@@ -117,6 +120,9 @@ def _after_forward(ddp: DistributedDataParallel, _args, out) -> None:
         )
 
 
+_REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction._backward_cls
+
+
 def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
     """Paths of the synchronized parameters that no gradient from ``out`` reaches (a walk of
     the autograd graph, as DDP's ``find_unused_parameters`` does)."""
@@ -125,8 +131,8 @@ def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
         hit = _wrapper_of(p)
         if p.requires_grad and hit is not None and hit[1] and hit[0] is ddp:
             pending[id(p)] = path
-    roots = [t for t in torch.utils._pytree.tree_leaves(out)
-             if isinstance(t, torch.Tensor) and t.requires_grad]
+    # the tensors DDP itself finds in the output (containers, dataclasses, namedtuples, dicts)
+    roots = [t for t in _find_tensors(out) if t.requires_grad]
     if not roots:
         return []  # nothing to differentiate: no reduction will start
     nodes, seen = [], set()
@@ -143,7 +149,25 @@ def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
         variable = getattr(node, "variable", None)
         if variable is not None:
             pending.pop(id(variable), None)
-        nodes.extend(n for n, _ in node.next_functions if n is not None)
+        if isinstance(node, _REENTRANT_CHECKPOINT):
+            # its backward recomputes the function: the parameters it uses have no edge here.
+            # A module (HF's layer.__call__) uses its own; of a closure nothing is known
+            owner = getattr(node, "run_function", None)
+            while isinstance(owner, functools.partial):  # HF: partial(Block.forward, block)
+                if (owner.args and isinstance(owner.args[0], nn.Module)
+                        and not hasattr(owner.func, "__self__")):
+                    owner = owner.args[0]
+                    break
+                owner = owner.func
+            owner = owner if isinstance(owner, nn.Module) else getattr(owner, "__self__", None)
+            if not isinstance(owner, nn.Module):
+                return []
+            for p in owner.parameters():
+                pending.pop(id(p), None)
+        # a custom function's inputs whose gradient a stop_gradient block cuts get nothing
+        cut = getattr(node, "_torchstruct_cut", ())
+        nodes.extend(n for i, (n, _) in enumerate(node.next_functions)
+                     if n is not None and i not in cut)
     return list(pending.values())
 
 

@@ -376,32 +376,46 @@ def _held(module: nn.Module) -> bool:
     return not (module.momentum is None and hit[1] is not None)
 
 
-def _stats_version(module: nn.Module) -> int:
+def _stats_version(module: nn.Module) -> tuple:
+    """``(address of running_mean's tensor, its version counter)``: which tensor holds the
+    statistics and how often it was written (``(None, -1)`` without statistics). An address,
+    not a weak reference: ``torch.utils.swap_tensors`` refuses tensors that have one, and a
+    swap (``load_state_dict`` under the future flag) gives the buffer a new address."""
     stats = getattr(module, "running_mean", None)
-    return -1 if stats is None else stats._version
+    return (None, -1) if stats is None else (stats._cdata, stats._version)
 
 
 def _refuse_reset(module: nn.Module) -> None:
-    """Raise if held layer ``module``, built with ``momentum=None``, had its statistics reset
-    since the hold began: what ``update_bn`` does before recomputing them, which cannot be told
-    apart from any other forward for such a layer (its momentum is ``None`` all along).
+    """Raise if held batch norm ``module``, built with ``momentum=None``, had its statistics
+    reset since the hold began: what ``update_bn`` does before recomputing them, which cannot be
+    told apart from any other forward for such a layer (its momentum is ``None`` all along).
 
-    Only Python reads while nothing wrote ``running_mean``; a write (a reset, a load) reads the
-    count once: a count other than 0 (loaded statistics) becomes the new starting point."""
+    Only Python reads while the same ``running_mean`` tensor was not written; after a write (a
+    reset, a load) or a new tensor in its place (``.to(dtype)``, ``.half()``,
+    ``load_state_dict(assign=True)``: the new tensor's version counter says nothing of the old
+    one's) the count is read once: 0 is what a reset leaves, and raises; any other count
+    (loaded or converted trained statistics) becomes the new starting point."""
     key = id(module)
-    ref, momentum, version = _state.frozen_norms[key]
-    if momentum is not None or _stats_version(module) == version:
+    ref, momentum, (held, version) = _state.frozen_norms[key]
+    stats = getattr(module, "running_mean", None)
+    if momentum is not None or (stats is None and held is None):
         return
-    if module.num_batches_tracked is None or int(module.num_batches_tracked) != 0:
-        _state.frozen_norms[key] = (ref, momentum, _stats_version(module))
-        return
-    raise RuntimeError(
-        f"The running statistics of {type(module).__name__} (momentum=None) were reset while "
-        "torchstruct holds them (the layer is frozen): with momentum=None, recomputing them "
-        "(torch.optim.swa_utils.update_bn) cannot be told apart from an ordinary forward, so "
-        "they would stay at their reset values. Run update_bn on an AveragedModel or a copy, "
-        "outside the context that freezes the layer, or attach with freeze_norm_stats=False."
-    )
+    if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return  # update_bn recomputes batch norms only; instance norms never count batches
+    if not module.training:
+        return  # an eval forward updates nothing, held or not: decided at the next train one
+    if stats is not None and held == stats._cdata and stats._version == version:
+        return  # nothing wrote the statistics since the hold began
+    count = getattr(module, "num_batches_tracked", None)
+    if stats is not None and count is not None and int(count) == 0:
+        raise RuntimeError(
+            f"The running statistics of {type(module).__name__} (momentum=None) were reset while "
+            "torchstruct holds them (the layer is frozen): with momentum=None, recomputing them "
+            "(torch.optim.swa_utils.update_bn) cannot be told apart from an ordinary forward, so "
+            "they would stay at their reset values. Run update_bn on an AveragedModel or a copy, "
+            "outside the context that freezes the layer, or attach with freeze_norm_stats=False."
+        )
+    _state.frozen_norms[key] = (ref, momentum, _stats_version(module))
 
 
 def _norm_pre(module: nn.Module, _args) -> None:
