@@ -149,3 +149,42 @@ def test_compiled_code_is_guarded(model):
         with pytest.raises(RuntimeError, match="'0.bias'"):
             compiled(torch.ones(2))
     assert_unchanged(model, before)
+
+
+# ----------------------------------------------------------------------------- swap path
+@pytest.fixture
+def swap_on_conversion():
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(old)
+
+
+@pytest.mark.parametrize("how", ["double", "half", "load_state_dict"])
+def test_conversions_swapping_tensors_are_refused_for_selected_parameters(swap_on_conversion, how):
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    before = {k: v.detach().clone() for k, v in m.named_parameters()}
+    objects = [p for p in m.parameters()]
+    new_state = {k: v + 1 for k, v in m.state_dict().items()}
+    convert = {"double": m.double, "half": m.half,
+               "load_state_dict": lambda: m.load_state_dict(new_state)}[how]
+    with ts.constant(m, "0"):
+        with pytest.raises(RuntimeError) as info:
+            convert()
+        said = str(info.value) + str(info.value.__cause__)
+        assert "'0.weight'" in said and "ts.constant" in said
+    assert [p for p in m.parameters()] == objects
+    for k, p in m.named_parameters():
+        if k.startswith("0."):
+            assert p.dtype == torch.float32 and torch.equal(p, before[k]), k
+    convert()  # after the block: PyTorch's conversion, unchanged
+    assert m[0].weight.dtype == {"double": torch.float64, "half": torch.float16}.get(how, torch.float32)
+
+
+def test_swapping_conversions_that_change_nothing_or_other_layers_pass(swap_on_conversion):
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    w = m[0].weight.detach().clone()
+    with ts.constant(m, "0"):
+        m.float()  # float already: the same values swapped in
+        m[1].double()  # not selected
+    assert torch.equal(m[0].weight, w) and m[1].weight.dtype == torch.float64

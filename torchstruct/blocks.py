@@ -617,15 +617,37 @@ class _RefuseRebind(TorchFunctionMode):
         self.params = {id(p): (p, path) for path, p in chosen}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if (getattr(func, "__name__", None) == "__set__" and len(args) == 2
-                and getattr(getattr(func, "__self__", None), "__name__", None) == "data"):
-            hit = self.params.get(id(args[0]))
-            if hit is not None and hit[0] is args[0] and not _same_data(args[0], args[1]):
+        name = getattr(func, "__name__", None)
+        if name in ("__set__", "__get__"):
+            name += getattr(getattr(func, "__self__", None), "__name__", "")
+        hit = self.params.get(id(args[0])) if args and name in _REBINDS else None
+        if hit is not None and hit[0] is args[0]:
+            new, how = _REBINDS[name](args, sys._getframe(1))
+            if how is not None and not _same_data(args[0], new):
                 raise RuntimeError(
-                    f"constant: setting .data would replace the values of parameter {hit[1]!r} "
-                    "inside a ts.constant block"
+                    f"constant: {how} would replace the values of parameter {hit[1]!r} inside "
+                    "a ts.constant block"
                 )
         return func(*args, **(kwargs or {}))
+
+
+def _swapped_in(args, frame):
+    """A ``requires_grad`` read by ``Module._apply`` on its swap branch (conversions under
+    ``set_swap_module_params_on_conversion``, tensor-subclass parameters): what it swaps in."""
+    if frame.f_code is not _MODULE_APPLY or not frame.f_locals.get("p_should_use_swap_tensors"):
+        return None, None
+    return frame.f_locals.get("param_applied"), "a conversion swapping tensors (Module._apply)"
+
+
+# the ways a parameter's values are replaced without an aten write: name -> (args, caller's
+# frame) -> (the new values, how, or None when this call replaces nothing)
+_REBINDS = {
+    "__set__data": lambda args, _: (args[1], "setting .data") if len(args) == 2 else (None, None),
+    "module_load": lambda args, _: (args[1] if len(args) > 1 else None,
+                                    "load_state_dict swapping tensors (Tensor.module_load)"),
+    "__get__requires_grad": _swapped_in,
+}
+_MODULE_APPLY = nn.Module._apply.__code__
 
 
 def _same_data(p: Tensor, new) -> bool:
