@@ -375,38 +375,10 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
                               or module._modules.get(name) is value):
         return  # the same object registered again (tie_weights): nothing changed
     key = id(module)
-    old = module._parameters.get(name)
     for st in list(states.values()):
         if key in st.module_ids:
-            if old is not None or isinstance(value, nn.Parameter):
-                _date_unread_write(st, old, name)
             mark_changed(st)
             st.registrations += 1
-
-
-def _date_unread_write(st, old, name: str = "") -> None:
-    """``old``, about to be replaced in state ``st``'s tree, carries a flag someone else wrote
-    that no application read yet: read it now, into its record and into what ``st``'s last
-    application remembers of its paths, so that a copy put in its place (``load_state_dict(
-    assign=True)``, which carries the flag) is recognised as its copy, as it is once read.
-
-    ``old`` None: a parameter registered under ``name`` where none is now (the old one was
-    deleted first, ``del module.weight``, as sharding wrappers do): every parameter ``st``'s
-    last application saw under that name is read."""
-    olds = [old] if old is not None else [
-        rec.p for path, (_, _, _, rec) in list(st.last.items())
-        if path.rpartition(".")[2] == name and rec.p is not None]
-    for old in olds:
-        hit = handle(old)
-        if hit is None:
-            continue
-        if old.requires_grad is not hit.written:  # not read yet: read now
-            hit.base, hit.written, hit.since = _read(hit, old)
-        # also when another tree's application read it since ``st``'s (a shared layer)
-        now = (hit.base, hit.written, hit.since)
-        for path, (start, flag, serial, rec) in list(st.last.items()):
-            if rec is hit and (start, flag, serial) != now:
-                st.last[path] = (*now, rec)
 
 
 _module_mod.register_module_parameter_registration_hook(_on_registered)

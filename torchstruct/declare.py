@@ -211,10 +211,11 @@ def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, in
 
     A parameter torchstruct wrote starts from :func:`torchstruct._state.current` (a write by
     someone else becomes its starting flag, and the contexts applied so far no longer apply to
-    it; those entered later still apply on top). A parameter put in place of another without torchstruct seeing it (FSDP2,
-    ``load_state_dict(assign=True)``) that carries the flag torchstruct last wrote at its path
-    is taken as that parameter's copy: it keeps its starting flag and what contexts decided
-    for it.
+    it; those entered later still apply on top). A parameter put in place of another without
+    torchstruct seeing it (FSDP2, ``load_state_dict(assign=True)``) that carries the flag the
+    other one has (the flag torchstruct last wrote, or one written since by someone else, read
+    now from the other parameter, which torchstruct still holds) is taken as its copy: it keeps
+    its starting flag and what contexts decided for it.
 
     Returns:
         ``(starting flag, serial of the newest context that no longer applies to p (0: none),
@@ -225,8 +226,14 @@ def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, in
     if now is not None:
         return now[0], now[1], None
     before = last.get(path)
-    if before is not None and before[1] is p.requires_grad:
-        return before[0], before[2], before[3]
+    if before is None:
+        return p.requires_grad, 0, None
+    start, flag, since, rec = before
+    old = getattr(rec, "p", None)
+    if old is not None and old is not p and (read := _state.current(old)) is not None:
+        (start, since), flag = read, old.requires_grad  # a write on it not read yet counts
+    if flag is p.requires_grad:
+        return start, since, rec
     return p.requires_grad, 0, None
 
 
