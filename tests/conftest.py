@@ -48,3 +48,12 @@ def backend(request):
         pytest.skip(message)
     with _ops.use_backend(name):
         yield name
+
+
+@pytest.fixture
+def swapping():
+    """Module conversions and ``load_state_dict`` swap tensors (PyTorch's future behaviour)."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)

@@ -152,16 +152,8 @@ def test_compiled_code_is_guarded(model):
 
 
 # ----------------------------------------------------------------------------- swap path
-@pytest.fixture
-def swap_on_conversion():
-    old = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_swap_module_params_on_conversion(old)
-
-
 @pytest.mark.parametrize("how", ["double", "half", "load_state_dict"])
-def test_conversions_swapping_tensors_are_refused_for_selected_parameters(swap_on_conversion, how):
+def test_conversions_swapping_tensors_are_refused_for_selected_parameters(swapping, how):
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     before = {k: v.detach().clone() for k, v in m.named_parameters()}
     objects = [p for p in m.parameters()]
@@ -181,7 +173,7 @@ def test_conversions_swapping_tensors_are_refused_for_selected_parameters(swap_o
     assert m[0].weight.dtype == {"double": torch.float64, "half": torch.float16}.get(how, torch.float32)
 
 
-def test_swapping_conversions_that_change_nothing_or_other_layers_pass(swap_on_conversion):
+def test_swapping_conversions_that_change_nothing_or_other_layers_pass(swapping):
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     w = m[0].weight.detach().clone()
     with ts.constant(m, "0"):

@@ -21,15 +21,6 @@ from _flags import flags, reads
 from torchstruct import _state
 
 
-@pytest.fixture
-def swapping():
-    """Module conversions and ``load_state_dict`` swap tensors (PyTorch's future behaviour)."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_swap_module_params_on_conversion(before)
-
-
 def net(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 4), nn.Linear(4, 1))
