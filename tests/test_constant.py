@@ -1,4 +1,6 @@
 """constant: in-place writes to selected parameters raise before the write."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -180,3 +182,42 @@ def test_swapping_conversions_that_change_nothing_or_other_layers_pass(swapping)
         m.float()  # float already: the same values swapped in
         m[1].double()  # not selected
     assert torch.equal(m[0].weight, w) and m[1].weight.dtype == torch.float64
+
+
+# ----------------------------------------------------------------------------- optimizer steps
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=False),
+    lambda ps: ts.optim.AdamW(ps, lr=0.1),
+])
+def test_a_step_over_a_protected_parameter_is_refused_before_any_state_changes(make):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    opt = make(m.parameters())
+    m(torch.randn(3, 2)).sum().backward()
+    opt.step()  # state exists
+    m(torch.randn(3, 2)).sum().backward()
+    state, params = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in m.parameters()]
+    with ts.constant(m, "1"):
+        with pytest.raises(RuntimeError, match=r"constant: .*step would update parameter '1\.weight'"):
+            opt.step()
+    assert str(opt.state_dict()) == str(state)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
+    with ts.constant(m, "1"):
+        m[1].zero_grad(set_to_none=True)  # no gradient: the step leaves it alone
+        opt.step()
+    assert torch.equal(m[1].weight, params[2]) and not torch.equal(m[0].weight, params[0])
+
+
+def test_a_step_in_another_thread_is_not_this_threads_block():
+    import threading
+    m = nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(3, 2)).sum().backward()
+    before = m.weight.detach().clone()
+    errors = []
+    with ts.constant(m):
+        t = threading.Thread(target=lambda: errors.append(None) if opt.step() is None else None)
+        t.start()
+        t.join()
+    assert errors == [None] and not torch.equal(m.weight, before)

@@ -48,6 +48,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch._C import _functorch
 from torch.autograd.function import _is_setup_context_defined
+from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -663,6 +664,30 @@ def _same_data(p: Tensor, new) -> bool:
     return bool(mine) and len(mine) == len(theirs) and all(
         a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
         for a, b in zip(mine, theirs))
+
+
+def _refuse_guarded_step(optimizer, _args, _kwargs) -> None:
+    """An optimizer step about to update a parameter a ``constant`` block of this thread
+    protects (one with a gradient: the step would write it) is refused before it starts, so
+    that its own state (momentum buffers, moments) is not updated either. Registered once
+    for every ``torch.optim.Optimizer``; without an active block it returns at once."""
+    guards = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Guard)]
+    if not guards:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            path = next(filter(None, (g._hit(p) for g in guards)), None)
+            if path is not None:
+                raise RuntimeError(
+                    f"constant: {type(optimizer).__name__}.step would update parameter {path!r} "
+                    "(it has a gradient) inside a ts.constant block; the step was refused before "
+                    "it changed anything, the optimizer's state included"
+                )
+
+
+_optimizer.register_optimizer_step_pre_hook(_refuse_guarded_step)
 
 
 class constant(_Context):
