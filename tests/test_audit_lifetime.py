@@ -1,0 +1,392 @@
+"""Outside-eyes audit: what torchstruct holds of parameters, and for how long.
+
+torchstruct holds no weak reference to a parameter (``torch.utils.swap_tensors`` refuses a
+tensor that has a Python one, and its C++ check refuses a C++ weak reference to the tensor
+too). Every check compares with plain PyTorch (a twin never attached) or with what
+docs/freezing.md promises: a dropped model is collected; a parameter that leaves a tree is
+held until the tree's next application; loops never accumulate parameters or records.
+"""
+import copy
+import gc
+import io
+import threading
+import weakref
+
+import pytest
+import torch
+from torch import nn
+from torch.optim.swa_utils import AveragedModel
+
+import torchstruct as ts
+from _flags import flags, reads
+from torchstruct import _state
+
+
+@pytest.fixture
+def swapping():
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    yield
+    torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+
+
+def x():
+    return torch.randn(5, 3)
+
+
+def live_parameters():
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, nn.Parameter))
+
+
+def counts():
+    gc.collect()
+    return (len(_state.records), len(_state.live_states()), live_parameters(),
+            len([e for e in _state.entries if e.scope() is not None]))
+
+
+def no_weakrefs(*models):
+    return all(weakref.getweakrefs(t) == [] for m in models
+               for t in [*m.parameters(), *m.buffers()])
+
+
+# ----------------------------------------------------------------------------- leaks
+def _drop_permanent(_):
+    m = net()
+    ts.freeze(m, "0")
+    m(x())
+
+
+def _drop_inside_with(_):
+    m = net()
+    with ts.freeze(m, "0"):
+        m(x()).sum().backward()
+
+
+def _drop_schedule(_):
+    m = net()
+    s = ts.UnfreezeSchedule(m, {0: "2", 2: None})
+    for _ in range(3):
+        m(x())
+        s.step()
+
+
+def _drop_optim(_):
+    m = net()
+    ts.freeze(m, "0")
+    opt = ts.optim.AdamW(m.parameters())
+    m(x()).sum().backward()
+    opt.step()
+
+
+def _drop_structural_grad(_):
+    m = net()
+    ts.freeze_except(m, "2")
+    ts.structural_grad(m, lambda mm: mm(x()).sum())
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = net()
+
+    def forward(self, t):
+        return self.body(t)
+
+
+def _nested_inner_dies(_):
+    outer = Holder()
+    inner = net(1)
+    with ts.freeze(outer, "body.0"):
+        with ts.freeze(inner):
+            outer.extra = inner
+            outer(x())
+            del outer.extra
+            del inner
+        outer(x())
+
+
+def _generator_dropped(_):
+    m = net()
+
+    def gen():
+        with ts.freeze(m, "0"):
+            yield m(x())
+            yield m(x())
+
+    g = gen()
+    next(g)
+
+
+def _exception(_):
+    m = net()
+    try:
+        with ts.freeze(m, "0"), ts.stop_gradient(m, "2"):
+            m(x())
+            raise ValueError("boom")
+    except ValueError:
+        pass
+
+
+def _threads(_):
+    def run():
+        m = net()
+        with ts.freeze(m, "0"):
+            m(x()).sum().backward()
+
+    ts_ = [threading.Thread(target=run) for _ in range(3)]
+    for t in ts_:
+        t.start()
+    for t in ts_:
+        t.join()
+
+
+LOOPS = [_drop_permanent, _drop_inside_with, _drop_schedule, _drop_optim, _drop_structural_grad,
+         _nested_inner_dies, _generator_dropped, _exception, _threads]
+
+
+@pytest.mark.filterwarnings("ignore::torchstruct.RestoredFlagsWarning")
+@pytest.mark.parametrize("loop", LOOPS, ids=[f.__name__ for f in LOOPS])
+def test_models_made_and_dropped_in_a_loop_leave_nothing_behind(loop):
+    loop(0)  # warm up (lazily made tables)
+    before = counts()
+    for i in range(12):
+        loop(i)
+    assert counts() == before
+
+
+def _deepcopy(m):
+    return copy.deepcopy(m)
+
+
+def _averaged(m):
+    a = AveragedModel(m)
+    a.update_parameters(m)
+    return a
+
+
+def _saved(m):
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("copy_", [_deepcopy, _averaged, _saved])
+def test_a_copy_made_each_epoch_is_plain_pytorch_and_leaves_nothing(copy_):
+    m = net()
+    ts.freeze(m, "0")
+    m(x())
+    before = counts()
+    for _ in range(8):
+        c = copy_(m)
+        c(x())
+        assert no_weakrefs(c) and _state.record(next(c.parameters())) is None
+        del c
+    assert counts() == before
+
+
+def _replace_head(m):
+    m[2] = nn.Linear(4, 2)
+
+
+def _assign(m):
+    m.load_state_dict({k: v.clone() for k, v in m.state_dict().items()}, assign=True)
+
+
+@pytest.mark.parametrize("forward", [False, True])
+@pytest.mark.parametrize("change", [_replace_head, _assign])
+@pytest.mark.parametrize("context", ["none", "with", "permanent"])
+def test_layers_replaced_every_step_hold_a_bounded_number_of_parameters(change, forward,
+                                                                         context):
+    m = net()
+    ts.attach(m)
+    if context == "permanent":
+        ts.freeze(m, "2")
+    ctx = ts.freeze(m, "0") if context == "with" else None
+    change(m)
+    m(x())
+    before = counts()
+    for _ in range(25):
+        change(m)
+        if forward:
+            m(x())
+    after = counts()
+    # held until the next application: at most the parameters replaced since the last one
+    assert after[0] <= before[0] and after[1:] == (before[1], before[2] + (
+        0 if forward else (6 if change is _assign else 2)), before[3])
+    if ctx is not None:
+        ctx.__exit__(None, None, None)
+    entries = [e for e in _state.entries if e.scope() is m]
+    assert all(len(e.decided) <= 2 * len(list(m.parameters())) + 64 for e in entries)
+
+
+def test_contexts_entered_and_left_on_models_that_come_and_go():
+    keep = net()
+    ts.attach(keep)
+    before = counts()
+    for i in range(20):
+        m = Holder()
+        m.body[0] = keep[0]
+        with ts.freeze(m, "body.0"), ts.unfreeze(keep):
+            m(x())
+            keep(x())
+        with ts.swap(m, {"body.2.weight": torch.zeros(2, 4)}):
+            m(x())
+        del m
+    assert counts() == before
+    assert all(flags(keep)) and reads(keep) == flags(keep)
+
+
+# ----------------------------------------------------------------------------- swap path
+def test_a_layer_taken_out_inside_a_context_converts_on_the_swap_path(swapping):
+    """It left every attached tree: the context keeps what it decided without a weak
+    reference of any kind (PyTorch's C++ swap check refuses a C++ weak reference too)."""
+    m = net()
+    twin = copy.deepcopy(m[2])
+    with ts.freeze(m, "2"):
+        old = m[2]
+        m[2] = nn.Linear(4, 2)
+        m(x())  # the application: `old` is let go, its flags back
+        old.half()
+        twin.half()
+        old.load_state_dict(twin.state_dict())
+        assert flags(old) == flags(twin) == [True, True]
+        assert old.weight.dtype == torch.float16 and torch.equal(old.weight, twin.weight)
+        old.float()
+        m[2] = old  # back inside the block, swapped meanwhile: judged again ("2" picks it)
+        m(x())
+        assert flags(m) == [True] * 4 + [False, False] == reads(m)
+    assert all(flags(m)) and no_weakrefs(m, old)
+
+
+def test_a_parameter_back_then_converted_keeps_the_decision_swap_or_not(swapping):
+    for swap in (True, False):
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+        m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+        with pytest.warns(ts.RestoredFlagsWarning), ts.freeze(m, "1"):
+            layer = m[1]
+            del m[1]
+            ts.attach(m)
+            m.append(layer)  # back at "2": still the block's pick, whatever "1" names now
+            m.to(torch.float64)
+            ts.attach(m)
+            assert flags(m) == [True, True, True, True, False, False] == reads(m)
+        assert all(flags(m)) and no_weakrefs(m)
+
+
+def test_data_replaced_while_out_is_judged_again_as_documented():
+    """docs/freezing.md: new contents while out of every attached model: judged again."""
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    with ts.freeze(m, "1"):
+        layer = m[1]
+        del m[1]
+        ts.attach(m)
+        layer.double()  # plain .data conversion while out
+        layer.float()
+        m.append(layer)  # at "2": "1" (the block's selector) does not pick it now
+        ts.attach(m)
+        assert flags(m) == [True] * 6 == reads(m)
+    assert all(flags(m))
+
+
+def test_optimizer_state_keyed_by_the_parameter_survives_a_swap_as_in_pytorch(swapping):
+    plain, ours = net(), net()
+    ts.freeze(ours, "0")
+    for p in plain[0].parameters():
+        p.requires_grad_(False)
+    ots = ts.optim.AdamW(ours.parameters(), lr=0.1)
+    opl = torch.optim.AdamW(plain.parameters(), lr=0.1, foreach=False)
+    data = x()
+    for model, opt in ((plain, opl), (ours, ots)):
+        model(data).sum().backward()
+        opt.step()
+        ids = [id(p) for p in model.parameters()]
+        cdata = [p._cdata for p in model.parameters()]
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+        assert [id(p) for p in model.parameters()] == ids
+        assert all(p._cdata != c for p, c in zip(model.parameters(), cdata))  # swapped
+        model(data).sum().backward()
+        opt.step()
+    assert len(ots.state) == len(opl.state) == 4
+    for a, b in zip(plain.parameters(), ours.parameters()):
+        assert a.requires_grad == b.requires_grad
+        torch.testing.assert_close(a, b)
+    assert no_weakrefs(ours)
+
+
+@pytest.mark.parametrize("block", ["stop_gradient", "swap", "constant", "none"])
+def test_buffers_and_parameters_load_under_the_future_flag_inside_blocks(swapping, block):
+    m, twin = net(), net(3)
+    ts.freeze(m, "1")
+    m(x())
+    ctx = {"stop_gradient": lambda: ts.stop_gradient(m, "2"),
+           "swap": lambda: ts.swap(m, {"2.weight": torch.zeros(2, 4)}),
+           "constant": lambda: ts.freeze(m, "0"),  # constant refuses swaps of its selection
+           "none": lambda: ts.freeze(m, "2")}[block]
+    with ctx():
+        m.load_state_dict(twin.state_dict())
+        m.train()(x())
+    assert no_weakrefs(m)
+    for a, b in zip(m.state_dict().values(), twin.state_dict().values()):
+        assert torch.equal(a, b)
+    assert flags(m) == [True, True, False, False, True, True] == reads(m)
+
+
+# ----------------------------------------------------------------------------- flags
+def test_a_shared_layer_follows_the_surviving_model_when_the_other_dies():
+    shared = nn.Linear(3, 4)
+    a = nn.Sequential(shared, nn.Linear(4, 1))
+    b = nn.Sequential(shared, nn.Linear(4, 2))
+    ts.attach(b)
+    ts.freeze(a, "0")
+    assert flags(shared) == [False, False] and reads(b) == flags(b)
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is None
+    b(x())
+    assert all(flags(b)) and reads(b) == flags(b)
+    assert no_weakrefs(b)
+
+
+def test_a_parameter_moved_to_another_model_follows_its_new_model():
+    a, b = net(), net(1)
+    ts.attach(b)
+    ts.freeze(a, "0")
+    w = a[0].weight
+    a[0].weight = nn.Parameter(torch.randn(4, 3))
+    b[0].weight = w
+    a(x())
+    b(x())
+    assert w.requires_grad and reads(b) == flags(b) == [True] * 6
+    assert flags(a) == [False, False, True, True, True, True] == reads(a)
+
+
+def test_functional_call_leaves_nothing_and_flags_stand():
+    m = net()
+    ts.freeze(m, "0")
+    m(x())
+    before = counts()
+    for _ in range(5):
+        params = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+        torch.func.functional_call(m, params, (x(),))
+    assert counts() == before
+    assert flags(m) == [False, False, True, True, True, True] == reads(m)
+
+
+def test_a_module_deleted_then_added_again_keeps_the_permanent_rule():
+    m = net()
+    ts.freeze(m, "2")
+    layer = m[2]
+    del m[2]
+    ts.attach(m)
+    assert all(flags(layer))  # left: its starting flag back
+    m.append(layer)
+    m(x())
+    assert flags(m) == [True] * 4 + [False, False] == reads(m)
