@@ -390,3 +390,87 @@ def test_a_module_deleted_then_added_again_keeps_the_permanent_rule():
     m.append(layer)
     m(x())
     assert flags(m) == [True] * 4 + [False, False] == reads(m)
+
+
+def test_a_new_parameter_at_the_id_of_one_that_left_and_died_is_judged_anew():
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    with ts.freeze(m, "1.weight"):
+        old = m[1].weight
+        key = id(old)
+        m[1].weight = nn.Parameter(torch.randn(1, 4))
+        ts.attach(m)  # `old` left: the block keeps its decision without holding it
+        del old
+        gc.collect()
+        pool, found = [], None
+        for _ in range(20000):
+            q = nn.Parameter(torch.empty(1, 4))
+            if id(q) == key:
+                found = q
+                break
+            pool.append(q)
+        if found is None:
+            pytest.skip("the id was not reused")
+        del pool
+        m.add_module("z", nn.Linear(4, 1))
+        m.z.weight = found
+        ts.attach(m)
+        assert found.requires_grad and reads(m) == flags(m)  # "z.weight" is not picked
+        assert flags(m) == [True, True, False, True, True, True]
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_module
+    except ImportError:
+        pytest.skip("DTensor is not available in this torch")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,)), distribute_module
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_dtensor_layer_taken_out_inside_a_context_converts_and_comes_back(one_process_group):
+    mesh, distribute_module = one_process_group
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    distribute_module(m, mesh)
+    with ts.freeze(m, "1"):
+        old = m[1]
+        m[1] = nn.Linear(4, 4)
+        distribute_module(m[1], mesh)
+        ts.attach(m)
+        assert all(flags(old))
+        old.to(torch.float64)  # DTensor parameters swap without the future flag
+        old.to(torch.float32)
+        assert type(old.weight).__name__ == "DTensor" and no_weakrefs(old)
+        m[1] = old  # swapped while out: judged again; "1" picks it
+        ts.attach(m)
+        assert flags(m) == [True, True, False, False, True, True] == reads(m)
+    assert all(flags(m)) and no_weakrefs(m)
+
+
+def test_ddp_wrappers_rebuilt_each_epoch_hold_only_the_newest(one_process_group):
+    from torchstruct import distributed
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    ts.attach(m)
+    for _ in range(5):
+        ddp = nn.parallel.DistributedDataParallel(m)
+        ddp(torch.randn(2, 3)).sum().backward()
+        gc.collect()
+        mine = [h for h in distributed._wrapped.values() if any(h[2] is p for p in m.parameters())]
+        assert len(mine) == 4 and all(h[0]() is ddp for h in mine) and no_weakrefs(m)
+    with pytest.raises(RuntimeError, match="find_unused_parameters"):
+        ts.freeze(m, "0")
+    assert all(flags(m))
+    del ddp
+    gc.collect()
+    assert all(h[2] is not p for h in distributed._wrapped.values() for p in m.parameters())
+    ts.freeze(m, "0")
+    assert flags(m) == [False, False, True, True] == reads(m)
