@@ -47,7 +47,8 @@ def live_parameters():
 def counts():
     gc.collect()
     return (len(_state.records), len(_state.live_states()), live_parameters(),
-            len([e for e in _state.entries if e.scope() is not None]))
+            len([e for e in _state.entries if e.scope() is not None]),
+            len([k for k, v in _state.frozen_norms.items() if v[0]() is not None]))
 
 
 def no_weakrefs(*models):
@@ -146,7 +147,33 @@ def _threads(_):
         t.join()
 
 
-LOOPS = [_drop_permanent, _drop_inside_with, _drop_schedule, _drop_optim, _drop_structural_grad,
+def _drop_blocks(_):
+    m = net()
+    with ts.freeze(m, "1"), ts.stop_gradient(m, "0"), ts.swap(m, {"2.bias": torch.zeros(2)}):
+        with ts.constant(m, "2"):
+            m.train()(x()).sum().backward()
+
+
+def _drop_generator_with_blocks(_):
+    m = net()
+
+    def gen():
+        with ts.freeze(m, "1"), ts.swap(m, {"2.bias": torch.zeros(2)}):
+            yield m(x())
+            yield m(x())
+
+    g = gen()
+    next(g)
+    g.close()
+
+
+def _drop_frozen_norm(_):
+    m = net()
+    ts.freeze(m, "1")
+    m.train()(x())
+
+
+LOOPS = [_drop_blocks, _drop_generator_with_blocks, _drop_frozen_norm, _drop_permanent, _drop_inside_with, _drop_schedule, _drop_optim, _drop_structural_grad,
          _nested_inner_dies, _generator_dropped, _exception, _threads]
 
 
@@ -219,7 +246,7 @@ def test_layers_replaced_every_step_hold_a_bounded_number_of_parameters(change, 
     after = counts()
     # held until the next application: at most the parameters replaced since the last one
     assert after[0] <= before[0] and after[1:] == (before[1], before[2] + (
-        0 if forward else (6 if change is _assign else 2)), before[3])
+        0 if forward else (6 if change is _assign else 2)), *before[3:])
     if ctx is not None:
         ctx.__exit__(None, None, None)
     entries = [e for e in _state.entries if e.scope() is m]
