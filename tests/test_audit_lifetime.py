@@ -501,3 +501,38 @@ def test_ddp_wrappers_rebuilt_each_epoch_hold_only_the_newest(one_process_group)
     assert all(h[2] is not p for h in distributed._wrapped.values() for p in m.parameters())
     ts.freeze(m, "0")
     assert flags(m) == [False, False, True, True] == reads(m)
+
+
+def test_an_inner_model_sharing_a_layer_dies_inside_the_outer_context():
+    shared = nn.Linear(3, 3)
+    outer = nn.Sequential(shared, nn.Linear(3, 1))
+    data = torch.randn(2, 3)
+    with ts.freeze(outer, "1"):
+        inner = nn.Sequential(shared, nn.Linear(3, 2))
+        ts.freeze(inner)  # permanent, on the inner model only
+        outer(data)
+        assert flags(outer) == [False] * 4 == reads(outer)
+        ref = weakref.ref(inner)
+        del inner
+        gc.collect()
+        assert ref() is None
+        assert reads(outer) == [True, True, False, False]  # reads at once (docs)
+        outer(data)  # flags at the survivor's next forward
+        assert flags(outer) == [True, True, False, False] == reads(outer)
+    assert all(flags(outer)) and all(reads(outer)) and no_weakrefs(outer)
+
+
+def test_a_context_of_a_dead_model_on_a_shared_layer_lifts_for_the_survivor():
+    shared = nn.Linear(3, 3)
+    outer = nn.Sequential(shared, nn.Linear(3, 1))
+    ts.attach(outer)
+    inner = nn.Sequential(shared, nn.Linear(3, 2))
+    ctx = ts.freeze(inner, "0")
+    outer(torch.randn(2, 3))
+    assert flags(outer) == [False, False, True, True] == reads(outer)
+    before = len(_state.records)
+    del inner, ctx
+    gc.collect()
+    outer(torch.randn(2, 3))
+    assert all(flags(outer)) and all(reads(outer))
+    assert len(_state.records) == before - 2  # the dead model's own layer is let go
