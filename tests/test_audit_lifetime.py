@@ -536,3 +536,20 @@ def test_a_context_of_a_dead_model_on_a_shared_layer_lifts_for_the_survivor():
     outer(torch.randn(2, 3))
     assert all(flags(outer)) and all(reads(outer))
     assert len(_state.records) == before - 2  # the dead model's own layer is let go
+
+
+@pytest.mark.parametrize("first", ["source", "target"])
+def test_a_parameter_moved_between_attached_models_inside_a_context(first):
+    a = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    b = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    ts.attach(b)
+    data = torch.randn(2, 3)
+    with ts.freeze(a, "0"):
+        w = a[0].weight
+        b[0].weight = w  # out of the block's model: its own flag back
+        a[0].weight = nn.Parameter(torch.randn(3, 3))  # a new weight at "0": picked
+        for m in ((a, b) if first == "source" else (b, a)):
+            m(data)
+        assert flags(a) == [False, False, True, True] == reads(a)
+        assert all(flags(b)) and all(reads(b))
+    assert all(flags(a)) and all(flags(b)) and no_weakrefs(a, b)
