@@ -553,3 +553,32 @@ def test_a_parameter_moved_between_attached_models_inside_a_context(first):
         assert flags(a) == [False, False, True, True] == reads(a)
         assert all(flags(b)) and all(reads(b))
     assert all(flags(a)) and all(flags(b)) and no_weakrefs(a, b)
+
+
+class SparseHolder(nn.Module):
+    def __init__(self, layout):
+        super().__init__()
+        torch.manual_seed(0)
+        dense = torch.randn(3, 3)
+        self.w = nn.Parameter(dense.to_sparse() if layout == "coo" else dense.to_sparse_csr())
+
+    def forward(self, t):
+        return t
+
+
+@pytest.mark.parametrize("layout", ["coo", "csr"])
+def test_a_sparse_layer_taken_out_inside_a_context_converts_on_the_swap_path(swapping, layout):
+    plain = SparseHolder(layout)
+    plain.double()  # what PyTorch does with it
+    m = nn.Sequential(nn.Linear(3, 3), SparseHolder(layout))
+    with ts.freeze(m, "1"):
+        old = m[1]
+        m[1] = SparseHolder(layout)
+        ts.attach(m)
+        old.double()
+        assert old.w.dtype == plain.w.dtype == torch.float64 and old.w.requires_grad
+        assert torch.equal(old.w.to_dense(), plain.w.to_dense())
+        m[1] = old  # swapped while out: judged again, "1" picks it
+        ts.attach(m)
+        assert flags(m) == [True, True, False] == reads(m)
+    assert all(flags(m))

@@ -242,16 +242,16 @@ class Left:
     tensor, on that very memory still alive, is that parameter; one swapped since, or given
     new data (``p.data = ...``), is judged again, as a new parameter.
 
-    A tensor without accessible storage (a wrapper subclass such as DTensor) is followed by a
-    C++ weak reference to the tensor (``torch._C._WeakTensorRef``) instead."""
+    A tensor whose storage cannot be reached (a tensor type without one) is followed by a
+    C++ weak reference to the tensor (``torch._C._WeakTensorRef``) instead (a sparse tensor:
+    its values' storage)."""
 
     __slots__ = ("ref", "address", "storage")
 
     def __init__(self, p) -> None:
         self.address = p._cdata
-        try:
-            storage = p.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
+        storage = _storage(p)
+        if storage is None:
             self.ref, self.storage = torch._C._WeakTensorRef(p), None
         else:
             self.ref, self.storage = StorageWeakRef(storage), storage._cdata
@@ -265,10 +265,24 @@ class Left:
             return False
         if self.storage is None:
             return True
-        try:
-            return p.untyped_storage()._cdata == self.storage
-        except (RuntimeError, NotImplementedError, TypeError):
-            return False
+        storage = _storage(p)
+        return storage is not None and storage._cdata == self.storage
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _storage(p):
+    """The storage holding ``p``'s elements (a sparse tensor's values), or None where it cannot
+    be reached."""
+    try:
+        if p.layout == torch.sparse_coo:
+            return p._values().untyped_storage()
+        if p.layout in _COMPRESSED:
+            return p.values().untyped_storage()
+        return p.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def forget_decisions(ids: set[int]) -> None:
