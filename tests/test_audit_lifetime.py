@@ -582,3 +582,35 @@ def test_a_sparse_layer_taken_out_inside_a_context_converts_on_the_swap_path(swa
         ts.attach(m)
         assert flags(m) == [True, True, False] == reads(m)
     assert all(flags(m))
+
+
+@pytest.mark.filterwarnings("ignore::torchstruct.RestoredFlagsWarning")
+def test_threads_replacing_layers_and_re_adding_them_inside_contexts():
+    errors = []
+    models = [net(i) for i in range(3)]
+    for m in models:
+        ts.attach(m)
+
+    def run(m):
+        try:
+            for _ in range(15):
+                with ts.freeze(m, "2"):
+                    old = m[2]
+                    m[2] = nn.Linear(4, 2)
+                    m(x())
+                    assert all(flags(old)) and flags(m)[-2:] == [False, False]
+                    m[2] = old  # back: the block's decision for it (picked)
+                    m(x())
+                    assert flags(m) == [True] * 4 + [False, False] == reads(m)
+                assert all(flags(m))
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    before = counts()
+    threads = [threading.Thread(target=run, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert counts() == before and no_weakrefs(*models)
