@@ -614,3 +614,62 @@ def test_threads_replacing_layers_and_re_adding_them_inside_contexts():
         t.join()
     assert not errors, errors
     assert counts() == before and no_weakrefs(*models)
+
+
+def test_a_parameter_that_left_is_held_exactly_until_the_next_application():
+    m = net()
+    ts.freeze(m, "2")
+    m(x())
+    old = m[2]
+    alive = [torch._C._WeakTensorRef(p) for p in old.parameters()]
+    m[2] = nn.Linear(4, 2)
+    del old
+    gc.collect()
+    assert not any(r.expired() for r in alive)  # held (docs: until the next application)
+    m(x())
+    gc.collect()
+    assert all(r.expired() for r in alive)
+
+
+def swappable(*models):
+    """Whether every parameter and buffer swaps with a copy of itself (and back): PyTorch's
+    own check, which refuses a Python or a C++ weak reference to the tensor."""
+    for m in models:
+        for t in [*m.parameters(), *m.buffers()]:
+            other = (nn.Parameter(t.detach().clone(), t.requires_grad)
+                     if isinstance(t, nn.Parameter) else t.detach().clone())
+            try:
+                torch.utils.swap_tensors(t, other)
+                torch.utils.swap_tensors(t, other)
+            except RuntimeError:
+                return False
+    return True
+
+
+@pytest.mark.filterwarnings("ignore::torchstruct.RestoredFlagsWarning")
+def test_every_tensor_of_an_attached_model_swaps_in_every_situation():
+    m = net()
+    shared = net(1)
+    shared[0] = m[0]
+    ts.attach(shared)
+    assert swappable(m)
+    with ts.freeze(m, "0"), ts.unfreeze(m, "0.bias"):
+        m(x())
+        assert swappable(m, shared)
+        old = m[2]
+        m[2] = nn.Linear(4, 2)
+        m(x())
+        assert swappable(m, old)
+        m[2] = old
+        with ts.stop_gradient(m, "2"), ts.swap(m, {"0.bias": torch.zeros(4)}):
+            m(x()).sum().backward()
+            assert swappable(old)
+        m(x())
+        assert swappable(m, shared)
+    sched = ts.UnfreezeSchedule(m, {0: "2", 1: None})
+    opt = ts.optim.AdamW(m.parameters())
+    m(x()).sum().backward()
+    opt.step()
+    sched.step()
+    assert swappable(m, shared)
+    assert flags(m) == reads(m) and flags(shared) == reads(shared)
