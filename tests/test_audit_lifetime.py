@@ -673,3 +673,44 @@ def test_every_tensor_of_an_attached_model_swaps_in_every_situation():
     sched.step()
     assert swappable(m, shared)
     assert flags(m) == reads(m) and flags(shared) == reads(shared)
+
+
+def _grads_and_step(model, opt):
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) if p.requires_grad else None
+    opt.step()
+
+
+@pytest.mark.parametrize("block", ["stop_gradient", "swap", "freeze"])
+def test_a_dtensor_model_converts_inside_blocks_and_its_optimizer_state_follows(
+        one_process_group, block):
+    mesh, distribute_module = one_process_group
+    m, plain = net(), net()
+    for model in (m, plain):
+        distribute_module(model, mesh)
+    ts.freeze(m, "0")
+    for p in plain[0].parameters():
+        p.requires_grad_(False)
+    opt = ts.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    opl = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    _grads_and_step(m, opt)
+    _grads_and_step(plain, opl)
+    ctx = {"stop_gradient": lambda: ts.stop_gradient(m, "2"),
+           "swap": lambda: ts.swap(m, {"2.bias": torch.zeros_like(m[2].bias)}),
+           "freeze": lambda: ts.freeze(m, "2")}[block]
+    ids = [id(p) for p in m.parameters()]
+    with ctx():
+        m.to(torch.float64)  # DTensor parameters swap
+        assert [id(p) for p in m.parameters()] == ids and no_weakrefs(m)
+    m.to(torch.float32)
+    if block == "swap":  # docs/stop_gradient.md: such a conversion reads the tree's tensors
+        with torch.no_grad():
+            plain[2].bias.zero_()
+    plain.to(torch.float64)
+    plain.to(torch.float32)
+    assert flags(m) == flags(plain) == reads(m) == [False, False, True, True, True, True]
+    _grads_and_step(m, opt)
+    _grads_and_step(plain, opl)
+    assert len(opt.state) == len(opl.state) == 4
+    for a, b in zip(m.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.full_tensor(), b.full_tensor())
