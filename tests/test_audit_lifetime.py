@@ -714,3 +714,18 @@ def test_a_dtensor_model_converts_inside_blocks_and_its_optimizer_state_follows(
     assert len(opt.state) == len(opl.state) == 4
     for a, b in zip(m.parameters(), plain.parameters()):
         torch.testing.assert_close(a.full_tensor(), b.full_tensor())
+
+
+def test_permanent_contexts_on_submodules_replaced_each_step_leave_nothing():
+    m = net()
+    ts.attach(m)
+    m(x())
+    before = counts()
+    for _ in range(10):
+        ts.freeze(m[2])  # permanent, on the layer only
+        m(x())
+        assert flags(m)[-2:] == [False, False] == reads(m)[-2:]
+        m[2] = nn.Linear(4, 2)  # the layer, with its context, goes away
+        m(x())
+        assert all(flags(m)) and all(reads(m))
+    assert counts() == before
