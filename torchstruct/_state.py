@@ -49,6 +49,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.nn.modules import module as _module_mod
 
 _lifting = threading.local()  # .frames: this thread's lifted stand-in modes, one list per lift
@@ -233,22 +234,55 @@ def _snapshot(table: dict) -> list:
 class Left:
     """What a context keeps of a parameter torchstruct forgot (it left every attached tree),
     so that the parameter keeps what the context decided for it if it comes back, without
-    keeping it alive: a C++ weak reference to its tensor (``torch._C._WeakTensorRef``; not a
-    Python weak reference, which ``torch.utils.swap_tensors`` refuses) and the tensor's
-    address. The object at the parameter's ``id`` that holds that very tensor, still alive, is
-    that parameter; one swapped since (new contents) is judged again, as a new parameter."""
+    keeping it alive: the address of its tensor, and a weak reference to the memory it holds
+    (its storage: ``torch.multiprocessing.reductions.StorageWeakRef``). Neither a Python weak
+    reference nor a C++ weak reference to the tensor itself: ``torch.utils.swap_tensors``
+    refuses a tensor that has either, and a parameter that left may be converted on PyTorch's
+    swap path while it is out. The object at the parameter's ``id`` that holds that very
+    tensor, on that very memory still alive, is that parameter; one swapped since, or given
+    new data (``p.data = ...``), is judged again, as a new parameter.
 
-    __slots__ = ("tensor", "address")
+    A tensor whose storage cannot be reached (a tensor type without one) is followed by a
+    C++ weak reference to the tensor (``torch._C._WeakTensorRef``) instead (a sparse tensor:
+    its values' storage)."""
+
+    __slots__ = ("ref", "address", "storage")
 
     def __init__(self, p) -> None:
-        self.tensor, self.address = torch._C._WeakTensorRef(p), p._cdata
+        self.address = p._cdata
+        storage = _storage(p)
+        if storage is None:
+            self.ref, self.storage = torch._C._WeakTensorRef(p), None
+        else:
+            self.ref, self.storage = StorageWeakRef(storage), storage._cdata
 
     def gone(self) -> bool:
-        return self.tensor.expired()
+        return self.ref.expired()
 
     def holds(self, p) -> bool:
         """Whether ``p`` (found at the id this was kept under) is the parameter that left."""
-        return not self.tensor.expired() and p._cdata == self.address
+        if self.ref.expired() or p._cdata != self.address:
+            return False
+        if self.storage is None:
+            return True
+        storage = _storage(p)
+        return storage is not None and storage._cdata == self.storage
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _storage(p):
+    """The storage holding ``p``'s elements (a sparse tensor's values), or None where it cannot
+    be reached."""
+    try:
+        if p.layout == torch.sparse_coo:
+            return p._values().untyped_storage()
+        if p.layout in _COMPRESSED:
+            return p.values().untyped_storage()
+        return p.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def forget_decisions(ids: set[int]) -> None:
@@ -263,6 +297,23 @@ def forget_decisions(ids: set[int]) -> None:
                     for k, v in entry.decided.items()
                     if not (isinstance(v[0], Left) and v[0].gone())
                 }
+
+
+def _held_again(key: int, value) -> None:
+    """``value`` (a parameter or a module) is registered into the module ``key`` of an
+    attached tree: the parameters that left it and come back are held again by the decisions
+    of the active contexts (:class:`Left` knows a parameter only until its data is replaced:
+    a conversion after it is back keeps the decision)."""
+    if not any(key in st.module_ids for st in list(states.values())):
+        return
+    params = ([value] if isinstance(value, torch.Tensor)
+              else list(value.parameters()) if isinstance(value, nn.Module) else [])
+    with LOCK:
+        for entry in list(entries):
+            for p in params:
+                hit = entry.decided.get(id(p))
+                if hit is not None and isinstance(hit[0], Left) and hit[0].holds(p):
+                    entry.decided[id(p)] = (p, hit[1])
 
 
 def note_writes() -> None:
@@ -375,6 +426,8 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
                               or module._modules.get(name) is value):
         return  # the same object registered again (tie_weights): nothing changed
     key = id(module)
+    if entries and value is not None:
+        _held_again(key, value)
     for st in list(states.values()):
         if key in st.module_ids:
             mark_changed(st)

@@ -52,7 +52,8 @@ class Entry:
     # id of a parameter -> (the parameter, whether the selectors pick it). The parameter is
     # held while torchstruct follows it (its id is never reused meanwhile); once forgotten (it
     # left every attached tree) a _state.Left stands in for it, which knows it again if it
-    # comes back and does not keep it alive. All dropped when the context ends or its scope is
+    # comes back (held again once registered back into an attached tree) and does not keep it
+    # alive. All dropped when the context ends or its scope is
     # collected. No weak reference: torch.utils.swap_tensors refuses a tensor that has one.
     decided: dict = field(default_factory=dict)
     # the governing state's members and last application when entered (see hooks.State; the
