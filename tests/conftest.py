@@ -57,3 +57,23 @@ def swapping():
     torch.__future__.set_swap_module_params_on_conversion(True)
     yield
     torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@pytest.fixture(scope="module")
+def one_process_group():
+    """A one-process gloo group and a one-device CPU mesh, for DTensor parameters."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import distribute_module
+    except ImportError:
+        pytest.skip("DTensor is not available in this torch")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,)), distribute_module
+    finally:
+        dist.destroy_process_group()

@@ -22,14 +22,6 @@ from _flags import flags, reads
 from torchstruct import _state
 
 
-@pytest.fixture
-def swapping():
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    yield
-    torch.__future__.set_swap_module_params_on_conversion(before)
-
-
 def net(seed=0):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
@@ -443,25 +435,6 @@ def test_a_new_parameter_at_the_id_of_one_that_left_and_died_is_judged_anew():
         ts.attach(m)
         assert found.requires_grad and reads(m) == flags(m)  # "z.weight" is not picked
         assert flags(m) == [True, True, False, True, True, True]
-
-
-@pytest.fixture(scope="module")
-def one_process_group():
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with the gloo backend is not available")
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import distribute_module
-    except ImportError:
-        pytest.skip("DTensor is not available in this torch")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,)), distribute_module
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_dtensor_layer_taken_out_inside_a_context_converts_and_comes_back(one_process_group):

@@ -221,25 +221,6 @@ def test_adamw_steps_after_conversion_as_torch_and_skips_frozen(swapping):
 
 
 # ----------------------------------------------------------------------------- real subclass
-@pytest.fixture(scope="module")
-def one_process_group():
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with the gloo backend is not available")
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import distribute_module
-    except ImportError:
-        pytest.skip("DTensor is not available in this torch")
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,)), distribute_module
-    finally:
-        dist.destroy_process_group()
-
-
 def test_a_dtensor_model_converts_inside_a_context(one_process_group):
     """DTensor parameters: ``module.to()`` swaps them with no future flag set."""
     mesh, distribute_module = one_process_group
