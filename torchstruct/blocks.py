@@ -135,7 +135,8 @@ class _Substitute(TorchFunctionMode):
                         and func is not torch.autograd.grad)
         new_args, new_kwargs = self._sub(args), self._sub(kwargs)
         # a custom function's forward runs with both grad modes off; it may turn grad mode
-        # back on (torch.enable_grad inside the forward), never forward grad mode
+        # back on (torch.enable_grad inside the forward), never forward grad mode. The
+        # compiling test comes first: dynamo cannot trace the identity tests after it
         if not torch.compiler.is_compiling() and not (
                 torch.is_grad_enabled() and torch._C._is_fwd_grad_enabled()) and (
                 new_args is not args or any(new_kwargs[k] is not v for k, v in kwargs.items())):

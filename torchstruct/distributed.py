@@ -39,19 +39,18 @@ parameters and gradients are handled where the ops meet the kernels (``torchstru
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 import weakref
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.parallel import DistributedDataParallel
 from torch.nn.parallel.distributed import _find_tensors
 
 from . import _state
+from ._checkpoints import is_reentrant_checkpoint, modules_behind
 from ._state import _snapshot, flag_guards
 
 __all__: list[str] = []
@@ -120,9 +119,6 @@ def _after_forward(ddp: DistributedDataParallel, _args, out) -> None:
         )
 
 
-_REENTRANT_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction._backward_cls
-
-
 def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
     """Paths of the synchronized parameters that no gradient from ``out`` reaches (a walk of
     the autograd graph, as DDP's ``find_unused_parameters`` does)."""
@@ -149,21 +145,12 @@ def _unreached(ddp: DistributedDataParallel, out) -> list[str]:
         variable = getattr(node, "variable", None)
         if variable is not None:
             pending.pop(id(variable), None)
-        if isinstance(node, _REENTRANT_CHECKPOINT):
-            # its backward recomputes the function: the parameters it uses have no edge here.
-            # A module (HF's layer.__call__) uses its own; of a closure nothing is known
-            owner = getattr(node, "run_function", None)
-            while isinstance(owner, functools.partial):  # HF: partial(Block.forward, block)
-                if (owner.args and isinstance(owner.args[0], nn.Module)
-                        and not hasattr(owner.func, "__self__")):
-                    owner = owner.args[0]
-                    break
-                owner = owner.func
-            owner = owner if isinstance(owner, nn.Module) else getattr(owner, "__self__", None)
-            if not isinstance(owner, nn.Module):
-                return []
-            for p in owner.parameters():
-                pending.pop(id(p), None)
+        if is_reentrant_checkpoint(node):
+            # its backward recomputes the function: the parameters it uses have no edge here;
+            # those of the modules it is bound to (HF's layer.__call__, a closure's self) count
+            for m in modules_behind(getattr(node, "run_function", None)):
+                for p in m.parameters():
+                    pending.pop(id(p), None)
         # a custom function's inputs whose gradient a stop_gradient block cuts get nothing
         cut = getattr(node, "_torchstruct_cut", ())
         nodes.extend(n for i, (n, _) in enumerate(node.next_functions)

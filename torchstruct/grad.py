@@ -38,7 +38,6 @@ Rules shared by all three:
 """
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable
 
@@ -48,6 +47,7 @@ from torch.nn.modules import module as _module_mod
 
 from . import _dtensor, _state
 from . import tree as _tree
+from ._checkpoints import is_reentrant_checkpoint, modules_behind
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
 from .hooks import apply_pending
@@ -327,18 +327,10 @@ def _walk(loss: torch.Tensor) -> tuple[set, list]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if _is_reentrant_checkpoint(node):
+        if is_reentrant_checkpoint(node):
             checkpoints.append(node)
         stack.extend(f for f, _ in node.next_functions)
     return seen, checkpoints
-
-
-def _is_reentrant_checkpoint(node) -> bool:
-    """A custom autograd function named like a checkpoint (``torch.utils.checkpoint`` with
-    ``use_reentrant=True``, and the implementations modelled on it): its backward recomputes
-    the forward and runs an inner backward that writes ``.grad``, out of sight of this graph."""
-    cls = getattr(node, "_forward_cls", None)
-    return cls is not None and "checkpoint" in cls.__name__.lower()
 
 
 def _unreachable(asked: Pairs) -> str:
@@ -375,7 +367,7 @@ def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list,
     ids = {id(p) for _, p in asked}
     others = [n.variable for n in nodes if hasattr(n, "variable")]
     for node in checkpoints:
-        for m in _modules_behind(getattr(node, "run_function", None)):
+        for m in modules_behind(getattr(node, "run_function", None)):
             others.extend(m.parameters())
     with _only(model, asked):
         off = list({id(t): t for t in others if id(t) not in ids and t.requires_grad}.values())
@@ -419,28 +411,6 @@ def _check_no_backward_side_effects(model: nn.Module, asked: Pairs, nodes: set) 
             )
 
 
-def _modules_behind(fn, depth: int = 4):
-    """The modules a checkpointed function is bound to, as far as they can be seen: a module,
-    a bound method's object, a partial's function and arguments, a closure's cells, lists."""
-    if depth < 0:
-        return
-    if isinstance(fn, nn.Module):
-        yield fn
-    elif isinstance(fn, (list, tuple)):
-        for f in fn:
-            yield from _modules_behind(f, depth - 1)
-    elif isinstance(fn, functools.partial):
-        for f in (fn.func, *fn.args, *fn.keywords.values()):
-            yield from _modules_behind(f, depth - 1)
-    elif callable(fn):
-        yield from _modules_behind(getattr(fn, "__self__", None), depth - 1)
-        for cell in getattr(fn, "__closure__", None) or ():
-            try:
-                yield from _modules_behind(cell.cell_contents, depth - 1)
-            except ValueError:  # an empty cell
-                pass
-
-
 class _DeadCheckpoints:
     """Watches a forward for asked parameters used inside a reentrant checkpoint that got no
     input requiring grad (it runs its function under ``no_grad`` and records nothing, so their
@@ -481,7 +451,7 @@ def _in_dead_checkpoint(frame) -> bool:
     while frame is not None:
         if frame.f_code.co_name == "forward":
             ctx = frame.f_locals.get("ctx")
-            if ctx is not None and _is_reentrant_checkpoint(ctx):
+            if ctx is not None and is_reentrant_checkpoint(ctx):
                 args = frame.f_locals.get("args", ())
                 return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         frame = frame.f_back
