@@ -92,34 +92,57 @@ class _Substitute(TorchFunctionMode):
                  own: frozenset[str] = frozenset(), kind: str = "block") -> None:
         super().__init__()
         self.table = table
-        self.own = own
+        # what acts on the parameter itself: attribute writes, the methods in _ON_PARAMETER,
+        # the reads in ``own``
+        self.own = frozenset({"__set__", "__delete__"}) | _ON_PARAMETER | own
         self.kind = kind
         # reentrant checkpoints already running when the block was entered (it is inside them)
         self.outer = {id(f) for f in _checkpoint_frames(sys._getframe())}
 
     def _sub(self, x):
-        if isinstance(x, Tensor):
-            hit = self.table.get(id(x))
-            if hit is not None and hit[0] is x:
-                return hit[1](x)
-            if self.wrapped and _functorch.is_functorch_wrapped_tensor(x):
-                return self._sub_wrapped(x)
-            return x
-        if isinstance(x, (list, tuple)):
-            out = [self._sub(v) for v in x]
-            if all(a is b for a, b in zip(out, x)):
-                return x
-            return type(x)(*out) if hasattr(x, "_fields") else type(x)(out)  # namedtuple
+        """``x`` (a tensor, or a list, tuple or dict looked into) with the replaced parameters
+        replaced; ``x`` itself when nothing in it is."""
         if isinstance(x, dict):
-            return {k: self._sub(v) for k, v in x.items()}
-        return x
+            values = self._replaced(tuple(x.values()))
+            return x if values is None else dict(zip(x, values))
+        if isinstance(x, (list, tuple)):
+            values = self._replaced(x)
+            if values is None:
+                return x
+            return type(x)(*values) if hasattr(x, "_fields") else type(x)(values)  # namedtuple
+        values = self._replaced((x,))
+        return x if values is None else values[0]
+
+    def _replaced(self, values) -> list | None:
+        """``values`` with the replaced parameters replaced, or None when none is (the common
+        case: one dictionary look-up per tensor, no new objects; this runs at every torch call
+        in the block)."""
+        table, out = self.table, None
+        for i, v in enumerate(values):
+            if isinstance(v, Tensor):
+                hit = table.get(id(v))
+                if hit is not None and hit[0] is v:
+                    new = hit[1](v)
+                elif self.wrapped and _functorch.is_functorch_wrapped_tensor(v):
+                    new = self._sub_wrapped(v)
+                else:
+                    continue
+            elif isinstance(v, (list, tuple, dict)):
+                new = self._sub(v)
+            else:
+                continue
+            if new is not v:
+                if out is None:
+                    out = list(values)
+                out[i] = new
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
         if name == "__get__":  # a property read: which property?
             name = getattr(getattr(func, "__self__", None), "__name__", None)
-        if name in ("__set__", "__delete__") or name in _ON_PARAMETER or name in self.own:
+        if name in self.own:
             return func(*args, **kwargs)
         if name == "_make_dual" and torch._C._are_functorch_transforms_active():
             # torch.func.jvp makes its duals from the variables it is handed: the block
@@ -133,13 +156,16 @@ class _Substitute(TorchFunctionMode):
         # autograd.grad call over those wrappers is left as it is
         self.wrapped = (torch._C._are_functorch_transforms_active()
                         and func is not torch.autograd.grad)
-        new_args, new_kwargs = self._sub(args), self._sub(kwargs)
+        values = self._replaced(args)
+        new_args = args if values is None else tuple(values)
+        new_kwargs = self._sub(kwargs) if kwargs else kwargs
         # a custom function's forward runs with both grad modes off; it may turn grad mode
         # back on (torch.enable_grad inside the forward), never forward grad mode. The
-        # compiling test comes first: dynamo cannot trace the identity tests after it
+        # compiling test comes first: dynamo cannot trace what follows it (with the grad mode
+        # tests first, a compiled function entering blocks computes wrong values)
         if not torch.compiler.is_compiling() and not (
                 torch.is_grad_enabled() and torch._C._is_fwd_grad_enabled()) and (
-                new_args is not args or any(new_kwargs[k] is not v for k, v in kwargs.items())):
+                new_args is not args or new_kwargs is not kwargs):
             self._refuse_recompute()
             self._cut_custom_functions()
         return func(*new_args, **new_kwargs)
