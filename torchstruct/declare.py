@@ -122,14 +122,27 @@ def _still_named(module: nn.Module) -> frozenset[str] | None:
         return None
 
 
-def _blocked(root: nn.Module, lenient: bool = False) -> dict[int, int]:
+def _declares(module: nn.Module) -> bool:
+    """Whether ``module`` has a declaration to read (valid or not): a :func:`mark_trainable`
+    mark or a ``trainable()`` method."""
+    return _MARK in module.__dict__ or callable(getattr(type(module), "trainable", None))
+
+
+def _blocked(root: nn.Module, lenient: bool = False,
+             modules: Iterable[nn.Module] | None = None) -> dict[int, int]:
     """Per parameter id, how recently declarations exclude it: along each of its paths the
     serial (:func:`serial_of`) of the newest declaration that does not admit it, 0 when none;
     the smallest over its paths (a tied parameter needs one admitting path).
 
     With ``lenient``, a declaration that became invalid admits what it still names, and one
     that cannot be read at all counts as absent, instead of raising (used to restore flags
-    when a context exits; the error is raised after)."""
+    when a context exits; the error is raised after).
+
+    ``modules``: every module of ``root``'s tree, when known (an index's ``module_objects``);
+    a tree none of which declares anything excludes nothing, and is not walked.
+    """
+    if modules is not None and not any(map(_declares, modules)):
+        return {}
     out: dict[int, int] = {}
 
     def walk(mod: nn.Module, above: int) -> None:
@@ -259,7 +272,7 @@ def effective(
         flags = {i: s[0] for i, s in starts.items()}
         for entry in _state.entries:
             entry.fold(flags, starts, root, idx)
-    blocked = _blocked(root, lenient)
+    blocked = _blocked(root, lenient, idx.module_objects)
     for other, shared in _sharing(root, idx):  # one flag: every model holding it must admit it
         theirs = _blocked(other, lenient)
         for i in shared:

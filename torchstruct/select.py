@@ -56,9 +56,10 @@ class ParamIndex:
 def index(model: nn.Module) -> ParamIndex:
     """Index ``model``'s parameters: each object once, with all its paths.
 
-    One walk over the module dictionaries, in the order (and with the paths) of
-    ``named_modules`` / ``named_parameters(remove_duplicate=False)``; ``modules`` also lists each
-    distinct module object once, in that order (``module_objects``).
+    One walk over the module dictionaries (recursive, as ``named_modules`` is), in the order
+    (and with the paths) of ``named_modules`` / ``named_parameters(remove_duplicate=False)``;
+    ``modules`` also lists each distinct module object once, in that order
+    (``module_objects``).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
@@ -67,13 +68,9 @@ def index(model: nn.Module) -> ParamIndex:
     paths: list[list[str]] = []
     names: list[str] = []
     objects: dict[int, nn.Module] = {}
-    stack = [("", model)]
-    while stack:  # pre-order: a module, its own parameters, then its children in order
-        prefix, mod = stack.pop()
-        if prefix:
-            names.append(prefix)
+
+    def visit(dot: str, mod: nn.Module) -> None:  # pre-order: own parameters, then children
         objects.setdefault(id(mod), mod)
-        dot = prefix + "." if prefix else ""
         for name, p in mod._parameters.items():
             if p is None:
                 continue
@@ -84,8 +81,12 @@ def index(model: nn.Module) -> ParamIndex:
                 paths.append([dot + name])
             else:
                 paths[i].append(dot + name)
-        children = [(dot + name, child) for name, child in mod._modules.items() if child is not None]
-        stack.extend(reversed(children))
+        for name, child in mod._modules.items():
+            if child is not None:
+                names.append(dot + name)
+                visit(dot + name + ".", child)
+
+    visit("", model)
     return ParamIndex(tuple(params), tuple(tuple(ps) for ps in paths), tuple(names),
                       tuple(objects.values()))
 
