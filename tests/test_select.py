@@ -315,3 +315,20 @@ def test_empty_model():
     assert ts.select(m, "*", strict=False) == []
     with pytest.raises(ValueError):
         ts.select(m, "weight")
+
+
+def test_index_leaves_no_reference_cycle_holding_the_model():
+    """A model indexed (and selected from) is freed by reference counting alone, as soon as
+    the last reference goes: nothing waits for the garbage collector."""
+    import gc
+    import weakref
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1)))
+    ref = weakref.ref(model)
+    gc.disable()
+    try:
+        ts.select(model, "1.*")
+        del model
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -182,18 +182,25 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
     if scope is None:
         return []
     governing = hooks.state_for(scope)
-    others = [s for s in _state.live_states() if s is not governing]
-    if others:  # other attached models holding the scope's parameters: applied too
-        ids = {id(p) for p in scope.parameters()}
-        others = [s for s in others if not ids.isdisjoint(s.live_members())]
     changes, errors = [], []
-    for st in [governing, *others]:
+
+    def apply(st) -> None:
+        nonlocal changes
         try:
             changes += st.apply(refuse)
         except Exception as err:  # noqa: BLE001 - restoring: every tree first, then raise
             if refuse:
                 raise
             errors.append(err)
+
+    apply(governing)
+    others = [s for s in _state.live_states() if s is not governing]
+    if others:  # other attached models holding the scope's parameters: applied too
+        ids = (governing.live_members() if governing.root() is scope and not governing.dirty
+               else {id(p) for p in scope.parameters()})  # the root just applied: its own
+        for st in others:
+            if not ids.isdisjoint(st.live_members()):
+                apply(st)
     if errors:
         raise errors[0]
     return changes

@@ -68,27 +68,31 @@ def index(model: nn.Module) -> ParamIndex:
     paths: list[list[str]] = []
     names: list[str] = []
     objects: dict[int, nn.Module] = {}
-
-    def visit(dot: str, mod: nn.Module) -> None:  # pre-order: own parameters, then children
-        objects.setdefault(id(mod), mod)
-        for name, p in mod._parameters.items():
-            if p is None:
-                continue
-            i = slot.get(id(p))
-            if i is None:
-                slot[id(p)] = len(params)
-                params.append(p)
-                paths.append([dot + name])
-            else:
-                paths[i].append(dot + name)
-        for name, child in mod._modules.items():
-            if child is not None:
-                names.append(dot + name)
-                visit(dot + name + ".", child)
-
-    visit("", model)
+    _visit("", model, slot, params, paths, names, objects)
     return ParamIndex(tuple(params), tuple(tuple(ps) for ps in paths), tuple(names),
                       tuple(objects.values()))
+
+
+def _visit(dot: str, mod: nn.Module, slot: dict, params: list, paths: list, names: list,
+           objects: dict) -> None:
+    """:func:`index`'s walk, in pre-order: ``mod``'s own parameters, then its children (a
+    module-level function: a nested one calling itself would be a reference cycle holding the
+    model until the garbage collector runs)."""
+    objects.setdefault(id(mod), mod)
+    for name, p in mod._parameters.items():
+        if p is None:
+            continue
+        i = slot.get(id(p))
+        if i is None:
+            slot[id(p)] = len(params)
+            params.append(p)
+            paths.append([dot + name])
+        else:
+            paths[i].append(dot + name)
+    for name, child in mod._modules.items():
+        if child is not None:
+            names.append(dot + name)
+            _visit(dot + name + ".", child, slot, params, paths, names, objects)
 
 
 def _glob(pattern: str) -> Callable[[str, nn.Parameter], bool]:
