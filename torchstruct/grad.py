@@ -298,7 +298,8 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
         grads = _grads_by_backward(model, loss, asked, nodes, checkpoints, retain_graph,
                                    create_graph)
     else:
-        reached = [i for i, (_, p) in enumerate(asked) if _leaf_node(p) in nodes]
+        leaves = {id(t) for t in _leaves(nodes)}
+        reached = [i for i, (_, p) in enumerate(asked) if id(p) in leaves]
         if not reached:
             raise ValueError(_unreachable(asked))
         found = torch.autograd.grad(
@@ -314,9 +315,10 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
     return [torch.zeros_like(p) if g is None else g for (_, p), g in zip(asked, grads)]
 
 
-def _leaf_node(p: torch.Tensor):
-    """The node that accumulates ``p``'s gradient (the one a graph through ``p`` leads to)."""
-    return torch.autograd.graph.get_gradient_edge(p).node
+def _leaves(nodes: set) -> list:
+    """The tensors whose gradient accumulator nodes are among ``nodes`` (the leaves a graph
+    reaches: the parameters its gradients flow to)."""
+    return [n.variable for n in nodes if hasattr(n, "variable")]
 
 
 def _walk(loss: torch.Tensor) -> tuple[set, list]:
@@ -365,7 +367,7 @@ def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list,
         )
     _check_no_backward_side_effects(model, asked, nodes)
     ids = {id(p) for _, p in asked}
-    others = [n.variable for n in nodes if hasattr(n, "variable")]
+    others = _leaves(nodes)
     for node in checkpoints:
         for m in modules_behind(getattr(node, "run_function", None)):
             others.extend(m.parameters())
@@ -399,7 +401,7 @@ def _check_no_backward_side_effects(model: nn.Module, asked: Pairs, nodes: set) 
             "the reducer would count as a training step. Use use_reentrant=False"
         )
     paths = {id(p): path for path, p in index(model)}
-    leaves = [p for _, p in asked] + [n.variable for n in nodes if hasattr(n, "variable")]
+    leaves = [p for _, p in asked] + _leaves(nodes)
     for t in leaves:
         if getattr(t, "_post_accumulate_grad_hooks", None):
             where = repr(paths[id(t)]) if id(t) in paths else "a tensor outside the model"
