@@ -140,6 +140,8 @@ def replaced(tensors) -> list:
     (``swap``: a stand-in with memory of its own, ``table[id(p)] = (p, make)``)."""
     modes = [m for m in torch.overrides._get_current_function_mode_stack()
              if getattr(m, "stands_in", False) and not getattr(m, "aliases", True)]
+    if not modes:
+        return []
     return [t for t in tensors
             if any((hit := m.table.get(id(t))) is not None and hit[0] is t for m in modes)]
 

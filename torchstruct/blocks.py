@@ -551,9 +551,11 @@ def _place(t: Tensor) -> tuple[object, int, int]:
         memory, start = ("meta", t.untyped_storage()._cdata), t.storage_offset() * t.element_size()
     else:
         memory, start = t.device, t.data_ptr()
-    if t.numel() == 0:
+    n = t.numel()
+    if n == 0:
         return memory, 0, 0
-    span = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    span = n if t.is_contiguous() else 1 + sum((k - 1) * abs(s)
+                                               for k, s in zip(t.shape, t.stride()))
     return memory, start, start + span * t.element_size()
 
 
