@@ -547,7 +547,7 @@ def _place(t: Tensor) -> tuple[object, int, int]:
     touch in that memory. Memory is a device's address space (tensors on different storages
     may share bytes: ``from_numpy``, dlpack), or, for ``meta`` tensors, which have no bytes,
     their storage."""
-    if t.device.type == "meta":
+    if t.is_meta:
         memory, start = ("meta", t.untyped_storage()._cdata), t.storage_offset() * t.element_size()
     else:
         memory, start = t.device, t.data_ptr()

@@ -361,21 +361,21 @@ class MaskedOptimizer(torch.optim.Optimizer):
             if group.get("lr_scale", 1.0) == 0:
                 continue  # a group scaled to 0 is skipped like a frozen parameter
             params = []
-            spans = []  # (device, first byte, end byte, parameter): each memory once per call
+            spans = []  # (memory, first byte, end byte, parameter): each memory once per call
             # the memory is a DTensor's local shard (the DTensor itself has none)
             shards = _dtensor.locals_(group["params"])
             for p, shard in zip(group["params"], shards):
-                if not p.requires_grad or p.grad is None or id(p) in seen:
-                    continue  # frozen, no gradient, or already stepped (tied)
+                g = p.grad
+                if g is None or not p.requires_grad or id(p) in seen:
+                    continue  # no gradient, frozen, or already stepped (tied)
                 seen.add(id(p))
                 if shard.numel():
                     memory, lo, hi = _place(shard)
-                    spans.append((str(memory), lo, hi, id(p), p))
+                    spans.append((memory, lo, hi, p))
                 if not shard.is_contiguous() and not _is_non_overlapping_and_dense(shard):
                     raise RuntimeError(
                         f"{name}: {self._label(p)} is not dense (it overlaps itself or has "
                         f"gaps, e.g. an expanded tensor); call .contiguous() first")
-                g = p.grad
                 if g.layout != torch.strided:
                     raise RuntimeError(
                         f"{name}: {self._label(p)} has a sparse gradient ({g.layout}); "
@@ -403,13 +403,17 @@ class MaskedOptimizer(torch.optim.Optimizer):
     def _refuse_shared(self, spans: list) -> None:
         """Two parameters of one group whose bytes overlap (the same tensor's memory, or views
         that partly overlap) would be stepped twice there: refused."""
-        spans.sort(key=lambda s: s[:3])
-        for a, b in zip(spans, spans[1:]):
-            if a[0] == b[0] and b[1] < a[2]:
-                raise RuntimeError(
-                    f"{type(self).__name__}: {self._label(b[4])} shares its memory with "
-                    f"{self._label(a[4])} in one param group; each tensor may be stepped once "
-                    f"per step")
+        by_memory: dict = {}
+        for memory, lo, hi, p in spans:
+            by_memory.setdefault(memory, []).append((lo, hi, p))
+        for same in by_memory.values():
+            same.sort(key=lambda s: s[:2])
+            for a, b in zip(same, same[1:]):
+                if b[0] < a[1]:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: {self._label(b[2])} shares its memory with "
+                        f"{self._label(a[2])} in one param group; each tensor may be stepped "
+                        f"once per step")
 
     def _amp(self):
         grad_scale = getattr(self, "grad_scale", None)
