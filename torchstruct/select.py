@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -95,12 +96,20 @@ def _visit(dot: str, mod: nn.Module, slot: dict, params: list, paths: list, name
             _visit(dot + name + ".", child, slot, params, paths, names, objects)
 
 
+@functools.lru_cache(maxsize=256)
+def _compiled(pattern: str) -> tuple[Callable, Callable]:
+    """The glob ``pattern`` as ``(match of a path or a dotted prefix of it, match of a whole
+    name)`` (translated once per pattern: selectors are entered at every step)."""
+    inner = fnmatch.translate(pattern)
+    assert inner.endswith("\\Z")
+    prefix = re.compile(f"(?:{inner[:-2]})(?:\\..*)?", re.S).fullmatch
+    return prefix, re.compile(inner).match
+
+
 def _glob(pattern: str) -> Callable[[str, nn.Parameter], bool]:
     """Whether some dotted prefix of the path (``a``, ``a.b``, ...) matches ``pattern``: one
     regular expression, the pattern followed by an optional ``.rest``."""
-    inner = fnmatch.translate(pattern)
-    assert inner.endswith("\\Z")
-    match = re.compile(f"(?:{inner[:-2]})(?:\\..*)?", re.S).fullmatch
+    match = _compiled(pattern)[0]
     return lambda path, _: match(path) is not None
 
 
@@ -132,7 +141,7 @@ def _predicate(
     if isinstance(sel, str):
         pred = _glob(sel)
         known = idx.all_paths() + list(idx.modules)
-        whole = re.compile(fnmatch.translate(sel)).match
+        whole = _compiled(sel)[1]
         if strict and not any(whole(name) for name in known):
             raise ValueError(
                 f"selector {sel!r} matches no parameter or module; closest paths: "
