@@ -313,3 +313,150 @@ def test_frozen_batchnorm_statistics_under_compile_match_an_eval_mode_twin(how):
             if p.grad is not None:
                 torch.testing.assert_close(params(m)[n].grad, p.grad, msg=n)
     assert int(m.bn.num_batches_tracked) == 3
+
+
+# ------------------------------------------------------------------------------- swap (EMA)
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.ln = nn.LayerNorm(4)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.ln(self.enc(x))))
+
+
+def _small():
+    torch.manual_seed(0)
+    return Small()
+
+
+def _functional(ref, tree, x):
+    return torch.func.functional_call(ref, {**params(ref), **tree}, (x,))
+
+
+def test_ema_evaluation_with_swap_around_an_inductor_model_then_training_again():
+    m, ref = _small(), _small()
+    cm = torch.compile(m, fullgraph=True)  # inductor
+    x = torch.randn(5, 3)
+    cm(x).sum().backward()  # the training graph exists before any swap
+    m.zero_grad(set_to_none=True)
+    a = {k: v.detach().clone() + 0.1 for k, v in m.named_parameters()}
+    b = {k: v.detach().clone() - 0.3 for k, v in m.named_parameters()}
+    with torch.no_grad():
+        for tree in (a, b, a, {"head.bias": torch.tensor([5.0])}):
+            with ts.swap(m, tree):
+                torch.testing.assert_close(cm(x), _functional(ref, tree, x))
+        torch._foreach_lerp_(list(a.values()), list(b.values()), 0.5)  # the EMA moves in place
+        with ts.swap(m, a):
+            torch.testing.assert_close(cm(x), _functional(ref, a, x))
+    with torch.inference_mode(), ts.swap(m, b):
+        torch.testing.assert_close(cm(x), _functional(ref, b, x))
+    # Gradients reach a swapped-in tensor, not the parameter.
+    w = torch.zeros(1, 4, requires_grad=True)
+    with ts.swap(m, {"head.weight": w}):
+        cm(x).sum().backward()
+    w_ref = torch.zeros(1, 4, requires_grad=True)
+    _functional(ref, {"head.weight": w_ref}, x).sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    assert grads(m).keys() == {"enc.weight", "enc.bias", "ln.weight", "ln.bias", "head.bias"}
+    # Training again outside the block: the compiled graph holds no swapped tensor.
+    m.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    out = cm(x)
+    out.sum().backward()
+    want = ref(x)
+    want.sum().backward()
+    torch.testing.assert_close(out, want)
+    assert_grads(m, {n: p.grad for n, p in ref.named_parameters()})
+    for k, v in m.named_parameters():
+        assert torch.equal(v, params(ref)[k])  # originals untouched
+
+
+# ------------------------------------------------------------------------ stop_gradient blocks
+def _linear(x, lin, blocked):
+    w, b = (lin.weight.detach(), lin.bias.detach()) if blocked else (lin.weight, lin.bias)
+    return F.linear(x, w, b)
+
+
+def _partitions_by_hand(ref, x):
+    """Two passes over one shared encoding: the first blocks enc+head, the second blocks dec."""
+    h = torch.tanh(_linear(x, ref.enc, False))
+    a = _linear(torch.tanh(_linear(h, ref.dec, False)), ref.head, True).sum()
+    b = _linear(torch.tanh(_linear(h, ref.dec, True)), ref.head, False).sum()
+    return a + 2 * b
+
+
+class EncDec(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(3, 4)
+        self.dec = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 1)
+
+
+def _encdec():
+    torch.manual_seed(0)
+    return EncDec()
+
+
+def test_several_partitions_entered_inside_an_inductor_compiled_function():
+    m, ref = _encdec(), _encdec()
+
+    @torch.compile  # inductor; every block entry and exit is a graph break
+    def two(x):
+        h = torch.tanh(m.enc(x))
+        with ts.stop_gradient(m, "enc", "head"):
+            a = m.head(torch.tanh(m.dec(h))).sum()
+        with ts.stop_gradient(m, "dec"):
+            b = m.head(torch.tanh(m.dec(h))).sum()
+        return a + 2 * b
+
+    x = torch.randn(5, 3, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    for step in range(4):
+        for p in (*m.parameters(), *ref.parameters()):
+            p.grad = None
+        x.grad = x_ref.grad = None
+        if step == 3:
+            counters.clear()
+        out = two(x)
+        out.backward()
+        want = _partitions_by_hand(ref, x_ref)
+        want.backward()
+        torch.testing.assert_close(out, want)
+        assert_grads(m, {n: p.grad for n, p in ref.named_parameters()})
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    assert counters["stats"]["unique_graphs"] == 0  # the fourth call compiles nothing
+
+
+def test_several_partitions_around_calls_of_a_fullgraph_compiled_model():
+    """One forward, the compiled model called in two differently blocked parts and outside
+    any block; grad mode off inside a block; training afterwards."""
+    m, ref = _small(), _small()
+    cm = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.randn(5, 3)
+    with ts.stop_gradient(m, "enc"):
+        a = cm(x).sum()
+        with torch.no_grad():
+            frozen = cm(x)
+        with torch.inference_mode():
+            frozen_inf = cm(x)
+    with ts.stop_gradient(m, "head", "ln"):
+        b = cm(x).sum()
+    c = cm(x).sum()
+    (a + 2 * b + 3 * c).backward()
+    assert not frozen.requires_grad and not frozen_inf.requires_grad
+    torch.testing.assert_close(frozen, ref(x))
+    torch.testing.assert_close(frozen_inf, ref(x))
+
+    def by_hand_forward(blocked):
+        h = torch.tanh(F.layer_norm(_linear(x, ref.enc, "enc" in blocked), (4,),
+                                    *((ref.ln.weight.detach(), ref.ln.bias.detach())
+                                      if "ln" in blocked else (ref.ln.weight, ref.ln.bias))))
+        return _linear(h, ref.head, "head" in blocked).sum()
+
+    want = by_hand_forward({"enc"}) + 2 * by_hand_forward({"head", "ln"}) + 3 * by_hand_forward(())
+    names = [n for n, _ in ref.named_parameters()]
+    assert_grads(m, dict(zip(names, torch.autograd.grad(want, list(ref.parameters())))))
