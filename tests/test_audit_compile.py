@@ -460,3 +460,91 @@ def test_several_partitions_around_calls_of_a_fullgraph_compiled_model():
     want = by_hand_forward({"enc"}) + 2 * by_hand_forward({"head", "ln"}) + 3 * by_hand_forward(())
     names = [n for n, _ in ref.named_parameters()]
     assert_grads(m, dict(zip(names, torch.autograd.grad(want, list(ref.parameters())))))
+
+
+# ----------------------------------------------------------------------------------- constant
+def _snapshot(m, opt):
+    state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
+             for p, s in opt.state.items()}
+    return [p.detach().clone() for p in m.parameters()], state
+
+
+def _assert_unchanged(m, opt, snap):
+    ps, state = snap
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), ps))
+    now = {id(p): s for p, s in opt.state.items()}
+    assert now.keys() == state.keys()
+    for key, s in state.items():
+        assert now[key].keys() == s.keys()
+        for k, v in s.items():
+            assert torch.equal(torch.as_tensor(now[key][k]), torch.as_tensor(v)), k
+
+
+@pytest.mark.parametrize("opt_name,warm,compiler", [
+    ("torch.SGD", True, "inductor"), ("torch.AdamW", False, "aot_eager"),
+    ("ts.AdamW", True, "aot_eager"), ("ts.SGD", False, "aot_eager")])
+def test_constant_refuses_a_compiled_training_step_and_changes_nothing(opt_name, warm, compiler):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+    make = {"torch.SGD": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            "torch.AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.1),
+            "ts.AdamW": lambda ps: ts.optim.AdamW(ps, lr=0.1, max_grad_norm=1.0),
+            "ts.SGD": lambda ps: ts.optim.SGD(ps, lr=0.1, momentum=0.9)}[opt_name]
+    opt = make(m.parameters())
+
+    @torch.compile(backend=compiler)
+    def step(x):
+        opt.zero_grad()
+        loss = m(x).sum()
+        loss.backward()
+        opt.step()
+        return loss
+
+    x = torch.randn(5, 3)
+    if warm:  # compiled (and the optimizer state built) before the block
+        step(x)
+    snap = _snapshot(m, opt)
+    with ts.constant(m, "0"):
+        with pytest.raises(RuntimeError, match="'0.weight'"):
+            step(x)
+    _assert_unchanged(m, opt, snap)
+    # After the block the compiled step trains again, as eager torch does.
+    ref = copy.deepcopy(m)
+    ref_opt = make(ref.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # no shared buffers
+    for _ in range(2):
+        step(x)
+        ref_opt.zero_grad()
+        ref(x).sum().backward()
+        ref_opt.step()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+_WRITES = {
+    "mul_": lambda m: m[0].weight.mul_(0.5),
+    "data": lambda m: m[0].weight.data.add_(1.0),
+    "foreach": lambda m: torch._foreach_mul_(list(m.parameters()), 0.5),
+    "setitem": lambda m: m[0].weight.__setitem__((0, 0), 3.0),
+    "lerp_": lambda m: m[0].bias.lerp_(torch.ones(4), 0.5),
+}
+
+
+@pytest.mark.parametrize("write", list(_WRITES))
+def test_constant_refuses_in_place_writes_in_already_compiled_code(write):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 1))
+
+    @torch.compile(backend="inductor" if write == "mul_" else "aot_eager")
+    def step(x):
+        with torch.no_grad():
+            _WRITES[write](m)
+        return m(x).sum()
+
+    x = torch.randn(5, 3)
+    step(x)  # compiled outside the block: the cached code must not bypass the block
+    before = [p.detach().clone() for p in m.parameters()]
+    with ts.constant(m, "0"):
+        with pytest.raises(RuntimeError, match=r"'0\.(weight|bias)'"):
+            step(x)
+    assert all(torch.equal(p, b) for p, b in zip(m.parameters(), before))
