@@ -172,6 +172,52 @@ def test_trainable_set_changes_between_steps_of_a_compiled_model(how):
     _walk_trainable_sets(m, call, level)
 
 
+@pytest.mark.parametrize("how", ["wrapper", "step"])
+def test_parameters_replaced_or_converted_after_compiling_keep_a_bare_context(how):
+    """load_state_dict(assign=True) and .double() after compiling, under a permanent
+    freeze_except: the new parameters follow it at the next compiled call."""
+    m = _small()
+    call = (torch.compile(m, backend="aot_eager") if how == "wrapper"
+            else torch.compile(lambda t: m(t), backend="aot_eager"))
+    x = torch.randn(5, 3)
+    ts.freeze_except(m, "head")
+    call(x).sum().backward()
+    new = {k: v + 1 for k, v in _small().state_dict().items()}
+    m.load_state_dict(new, assign=True)
+    head = ["head.weight", "head.bias"]
+    for convert in (None, "double"):
+        if convert:
+            m.double()
+            x = x.double()
+        m.zero_grad(set_to_none=True)
+        out = call(x)
+        out.sum().backward()
+        ref = _small()
+        ref.load_state_dict(new)
+        if convert:
+            ref.double()
+        want_loss, want = by_hand(ref, lambda r: r(x).sum(), head)
+        torch.testing.assert_close(out.sum().detach(), want_loss)
+        assert_grads(m, want)
+        assert [n for n, p in m.named_parameters() if p.requires_grad] == head
+
+
+def test_contexts_on_the_compiled_wrapper_use_its_own_paths():
+    """The torch.compile wrapper names parameters '_orig_mod.*' (as its state_dict does): a
+    selector of the inner paths is a clear error naming the closest path, nothing changes."""
+    m = _small()
+    cm = torch.compile(m, backend="aot_eager")
+    with pytest.raises(ValueError, match="'_orig_mod.head'"):
+        ts.freeze_except(cm, "head")
+    assert all(p.requires_grad for p in m.parameters())
+    x = torch.randn(5, 3)
+    with ts.freeze_except(cm, "_orig_mod.head"):
+        cm(x).sum().backward()
+    _, want = by_hand(m, lambda r: r(x).sum(), ["head.weight", "head.bias"])
+    assert_grads(m, want)
+    assert all(p.requires_grad for p in m.parameters())
+
+
 def test_toggling_a_context_around_a_compiled_model_stops_compiling_once_both_sets_are_seen():
     m = _net()
     call = torch.compile(m, backend="aot_eager")
