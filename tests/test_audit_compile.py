@@ -540,6 +540,44 @@ def test_several_partitions_around_calls_of_a_fullgraph_compiled_model():
     assert_grads(m, dict(zip(names, torch.autograd.grad(want, list(ref.parameters())))))
 
 
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 4)
+        self.b = nn.Linear(4, 4)
+        self.c = nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.b(t)), h,
+                                              use_reentrant=False)
+        return self.c(h)
+
+
+def test_a_compiled_model_with_activation_checkpointing_inside_contexts_and_blocks():
+    """Non-reentrant checkpointing traced by dynamo: the recompute is part of the compiled
+    backward, so a freeze context and a stop_gradient block around the call both hold."""
+    torch.manual_seed(0)
+    m = Checkpointed()
+    cm = torch.compile(m, backend="aot_eager")
+    x = torch.randn(5, 3)
+    with ts.freeze_except(m, "b"):
+        cm(x).sum().backward()
+    _, want = by_hand(m, lambda r: r(x).sum(), ["b.weight", "b.bias"])
+    assert_grads(m, want)
+    m.zero_grad(set_to_none=True)
+    with ts.stop_gradient(m, "b"):
+        out = cm(x).sum()
+    out.backward()
+    ref = copy.deepcopy(m)
+    h = torch.tanh(_linear(torch.tanh(ref.a(x)), ref.b, blocked=True))
+    want_out = ref.c(h).sum()
+    torch.testing.assert_close(out, want_out)
+    names = ["a.weight", "a.bias", "c.weight", "c.bias"]
+    rp = params(ref)
+    assert_grads(m, dict(zip(names, torch.autograd.grad(want_out, [rp[n] for n in names]))))
+
+
 # ----------------------------------------------------------------------------------- constant
 def _snapshot(m, opt):
     state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()}
