@@ -767,15 +767,6 @@ class DetachedUse(nn.Module):
         return self.used(x) + F.linear(x, self.det.weight.detach(), self.det.bias)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structural_grad of a loss from a compiled model, asking only for parameters the loss "
-    "cannot reach (used only through .detach(), or blocked by a stop_gradient block around "
-    "the compiled call), returns a tree of zeros: the compiled graph's backward node has an "
-    "edge to every parameter input that requires grad, so the reach check finds them. In "
-    "eager mode the same call raises ValueError 'the loss reaches none of the asked parameters' "
-    "(and torch.autograd.grad raises 'appears to not have been used in the graph' for the "
-    "compiled loss too); DESIGN.md: an unreachable gradient is an error naming the paths, "
-    "never a silent zero. Expected: the eager ValueError"))
 @pytest.mark.parametrize("how", ["detach_in_forward", "stop_gradient_block"])
 def test_structural_grad_of_unreachable_parameters_through_a_compiled_model(how):
     torch.manual_seed(0)

@@ -394,3 +394,36 @@ def test_error_parameter_switched_off_inside_the_callable():
     with pytest.raises(RuntimeError, match=r"'4\.bias' stopped requiring grad"):
         ts.structural_grad(m, sneaky, wrt="4")
     assert all(flags(m))  # restored by the wrt scope
+
+
+class _NoWeightGrad(torch.autograd.Function):
+    """Uses the weight, but its backward gives it no gradient (returns None for it)."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def test_an_edge_whose_gradient_never_comes_counts_as_unreached():
+    """A backward node with an edge to a parameter that returns no gradient for it (a custom
+    function, a compiled graph's backward for a parameter used only through .detach()): asked
+    alone, the parameter is unreachable (ValueError, as for .detach()); asked with a reached
+    one, it is unused (zeros)."""
+    model = nn.Module()
+    model.lin = nn.Linear(3, 3)
+    model.w = nn.Parameter(torch.randn(3))
+    x = torch.randn(2, 3)
+
+    def loss():
+        return _NoWeightGrad.apply(model.lin(x), model.w).sum()
+
+    assert torch.autograd.grad(loss(), [model.w], allow_unused=True) == (None,)  # torch agrees
+    with pytest.raises(ValueError, match="reaches none of the asked parameters"):
+        ts.structural_grad(model, loss(), wrt="w")
+    tree = ts.structural_grad(model, loss(), wrt=["w", "lin.bias"])
+    assert torch.equal(tree["w"], torch.zeros(3))
+    assert torch.equal(tree["lin"]["bias"], torch.autograd.grad(loss(), model.lin.bias)[0])

@@ -309,6 +309,10 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
             retain_graph=retain_graph,
             create_graph=create_graph,
         )
+        if all(g is None for g in found):
+            # an edge is not a use: a compiled graph's backward node has an edge to every
+            # parameter input requiring grad, also one it used only through .detach()
+            raise ValueError(_unreachable(asked))
         grads = [None] * len(asked)
         for i, g in zip(reached, found):
             grads[i] = g
