@@ -270,13 +270,6 @@ def test_within_gradient_of_a_compiled_module_in_each_grad_mode():
             assert torch.equal(fwad.unpack_dual(out).tangent, torch.full((3,), 2.0))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "within_gradient(module) inside a stop_gradient (or swap with a tensor that does not "
-    "require grad) block is True when the module runs compiled (any backend, fullgraph or "
-    "not), so the differentiated branch runs: compiled output w*x*2, eager w*x*3 (False: the "
-    "blocked parameter reads requires_grad False, docs/stop_gradient.md 'Limits'); the output "
-    "does not even require grad. Expected: the compiled call gives the block's (eager) result, "
-    "as docs/stop_gradient.md '## torch.compile' promises"))
 @pytest.mark.parametrize("block", ["stop_gradient", "swap"])
 def test_within_gradient_of_a_compiled_module_inside_a_block(block):
     m = Noisy()

@@ -832,13 +832,6 @@ def test_within_gradient_compiled_fullgraph_reverse_modes():
             assert cf(torch.ones(3))[0] == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "inside a compiled torch.func.grad (torch.compile(lambda t: torch.func.grad(f)(t), "
-    "fullgraph=True), eager and aot_eager backends) within_gradient is False: under dynamo it "
-    "reads x.requires_grad, which dynamo's trace of the functorch transform reports False "
-    "(torch.is_grad_enabled() is True there), so the non-gradient branch runs silently "
-    "(gradient 3 where eager torch.func.grad gives 2); the contract says within_gradient is "
-    "correct under compile for torch.func.grad: expected True"))
 def test_within_gradient_compiled_torch_func_grad():
     def fn(t):
         return t * 2 if W(t) else t * 3

@@ -19,12 +19,14 @@ tangent under ``no_grad``, so ``within_gradient`` stays True for it there (it is
 ``inference_mode``, which stops tangents as well).
 
 Under ``torch.compile`` (also ``fullgraph=True``) the check reduces to ``torch.is_grad_enabled()``
-and ``x.requires_grad``, which dynamo specializes and guards on: each branch of a function that
-branches on it is compiled for the mode it is called in, without a graph break. Inside a
-forward-AD level (``torch.autograd.forward_ad.dual_level``), where traced code cannot see
-tangents, the check runs eagerly through a graph break (with ``fullgraph=True``: an error, never
-a wrong answer). Limit: inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` compiled as a whole,
-dynamo reports ``requires_grad`` False, so the answer there is False.
+and the ``requires_grad`` of an identity view of ``x`` (traced away), which dynamo specializes
+and guards on: each branch of a function that branches on it is compiled for the mode it is
+called in, without a graph break. The view passes through torch function modes where a
+property read does not in traced code (a ``stop_gradient`` / ``swap`` block's stand-in
+answers), and it is right inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` compiled as a
+whole. Inside a forward-AD level (``torch.autograd.forward_ad.dual_level``), where traced code
+cannot see tangents, the check runs eagerly through a graph break (with ``fullgraph=True``: an
+error, never a wrong answer).
 """
 from __future__ import annotations
 
@@ -56,7 +58,10 @@ def _has_tangent(t: Tensor) -> bool:
 def _tracked(t: Tensor) -> bool:
     grad_mode = torch.is_grad_enabled()
     if _compiling():
-        if grad_mode and t.requires_grad:
+        # in traced code a property read does not pass through torch function modes, an
+        # operation does: the flag of an identity view is the stand-in's inside a
+        # stop_gradient or swap block (the parameter's own elsewhere)
+        if grad_mode and t.view_as(t).requires_grad:
             return True
         if _fwad._current_level >= 0:  # traced code cannot see tangents: ask eagerly
             return _tracked_eagerly(t)
