@@ -316,7 +316,7 @@ def release_kept(entry, in_callback: bool = False) -> None:
 def _released_when_dead(state: weakref.ref):
     def callback(_root: weakref.ref) -> None:
         st = state()
-        if st is not None:
+        if st is not None and _state is not None:  # None: the interpreter is exiting
             st.release()
 
     return callback
