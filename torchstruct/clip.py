@@ -14,26 +14,21 @@ from .declare import trainable_parameters
 __all__ = ["clip_by_global_norm", "clip_grad_norm_", "global_norm"]
 
 
-def _model_grads(model: nn.Module) -> list[torch.Tensor]:
+def _model_grads_now(model: nn.Module) -> list[torch.Tensor]:
     """The gradients of ``model``'s trainable parameters: the parameters' own, also inside a
-    ``swap`` block (where ``p.grad`` reads the stand-in's). Under ``torch.compile`` which
-    parameters train is computed eagerly (a graph break; the gradients are read in the
-    graph)."""
-    return [g for g in (p.grad for p in _trainable_eagerly(model)) if g is not None]
-
-
-def _trainable(model: nn.Module) -> list[torch.Tensor]:
+    ``swap`` block (where ``p.grad`` reads the stand-in's). Under ``torch.compile`` this runs
+    eagerly (a graph break): see ``_model_grads``."""
     with _state.without_stand_ins():
-        return [p for _, p in trainable_parameters(model)]
+        return [p.grad for _, p in trainable_parameters(model) if p.grad is not None]
 
 
 _REASON = ("ts.global_norm / ts.clip_by_global_norm of a model work out which parameters train "
            "eagerly (a graph break); under fullgraph=True pass the list of trainable parameters "
            "instead (for example [p for p in model.parameters() if p.requires_grad])")
 try:
-    _trainable_eagerly = torch.compiler.disable(_trainable, reason=_REASON)
+    _model_grads = torch.compiler.disable(_model_grads_now, reason=_REASON)
 except TypeError:  # torch < 2.7: no reason
-    _trainable_eagerly = torch.compiler.disable(_trainable)
+    _model_grads = torch.compiler.disable(_model_grads_now)
 
 
 def _tensors(x) -> list[torch.Tensor]:
