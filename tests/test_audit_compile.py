@@ -353,15 +353,6 @@ def test_frozen_batchnorm_statistics_under_compile_match_an_eval_mode_twin(how):
     assert int(m.bn.num_batches_tracked) == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a context that holds a BatchNorm's statistics, entered around each compiled step (the "
-    "usual `with ts.freeze(model, 'bn'): compiled(x)` per step, same layer every time), "
-    "recompiles at every step: the hold registers a new always-called forward hook on the "
-    "layer at each entry and dynamo guards on its id (`___dict_contains(8, "
-    "self._modules['bn']._forward_hooks_always_called)`, then 28, 48, ...), until "
-    "recompile_limit (8); with fullgraph=True the 9th step crashes with "
-    "FailOnRecompileLimitHit. Without a BatchNorm the same loop compiles once. Expected: one "
-    "graph for the held layer, reused at every step"))
 @pytest.mark.parametrize("how", ["wrapper-fullgraph", "step"])
 def test_a_context_holding_batchnorm_entered_at_every_compiled_step(how):
     torch.manual_seed(0)

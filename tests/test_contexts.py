@@ -514,14 +514,24 @@ def test_norm_with_some_params_trainable_still_updates():
     assert int(bn.num_batches_tracked) == 1
 
 
-def test_norm_with_all_params_trainable_updates_and_hooks_gone_after_exit():
+def test_norm_updates_after_exit_its_hooks_pass_and_stay_one_pair():
+    """After the hold, the layer keeps one pair of hooks while it is in the attached tree
+    (compiled code guards on a module's hooks: new ones at every hold would recompile every
+    step); they pass, and detach_hooks removes them."""
+    from torchstruct.hooks import _norm_post, _norm_pre
+
     bn = nn.BatchNorm1d(4)
     m = nn.Sequential(bn)
-    with ts.freeze(m):
-        pass
-    assert len(bn._forward_pre_hooks) == 0 and len(bn._forward_hooks) == 0
+    for _ in range(3):
+        with ts.freeze(m):
+            m(torch.randn(8, 4))
+    assert int(bn.num_batches_tracked) == 0  # held inside
+    assert list(bn._forward_pre_hooks.values()) == [_norm_pre]
+    assert list(bn._forward_hooks.values()) == [_norm_post]
     m(torch.randn(8, 4))
     assert int(bn.num_batches_tracked) == 1
+    ts.detach_hooks(m)
+    assert len(bn._forward_pre_hooks) == 0 and len(bn._forward_hooks) == 0
 
 
 def test_freeze_norm_stats_false_on_another_model_does_not_leak():

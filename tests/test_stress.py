@@ -42,11 +42,19 @@ def _model():
 
 
 def _hooks(model):
-    """Number of forward pre-hooks and forward hooks on every module of ``model``."""
-    return {
-        name: (len(m._forward_pre_hooks), len(m._forward_hooks))
-        for name, m in model.named_modules()
-    }
+    """Per module of ``model``: the numbers of forward pre-hooks and forward hooks other than
+    torchstruct's pair on a normalization layer, and whether that pair is there at most once (a
+    layer held once keeps it, passing, while it is in the attached tree)."""
+    from torchstruct.hooks import _norm_post, _norm_pre
+
+    out = {}
+    for name, m in model.named_modules():
+        pre = list(m._forward_pre_hooks.values())
+        post = list(m._forward_hooks.values())
+        pairs = pre.count(_norm_pre)
+        out[name] = (len(pre) - pairs, len(post) - post.count(_norm_post),
+                     pairs <= 1 and post.count(_norm_post) == pairs)
+    return out
 
 
 def _flags(model):

@@ -5,7 +5,8 @@
   model's own tree changed (a parameter or module registered into it); otherwise it costs a
   dictionary look-up and an attribute read.
 - Normalization layers whose parameters are all frozen get a pair of hooks that hold their
-  running statistics. ``attach(module, freeze_norm_stats=...)`` stores the choice on
+  running statistics (kept, passing, while the layer is in the tree and not held: compiled
+  code guards on hooks). ``attach(module, freeze_norm_stats=...)`` stores the choice on
   ``module`` itself; a layer follows the choice of its nearest ancestor-or-self that was given
   one (default True), whichever tree it is attached in.
 - Every hook looks up a live owner before acting. A copy of a model (``deepcopy``,
@@ -199,22 +200,30 @@ class State:
         if want:  # the options are read only when some layer would be held
             off = _opted_out(self.root())
             want = {key: m for key, m in want.items() if key not in off}
+        # a layer's hooks stay while it is in the tree, also while it is not held (they pass
+        # then): compiled code guards on a module's hooks, and hooks registered anew at every
+        # hold would make each compiled step compile again
+        in_tree = {id(m) for m in modules}
         for key in list(self.norm_hooks):
             ref, handles = self.norm_hooks[key]
             mod = ref()
-            gone = mod is None or handles[0].id not in mod._forward_pre_hooks  # detach_hooks
-            if gone or want.get(key) is not mod:
+            gone = (self.hook is None or mod is None or key not in in_tree
+                    or handles[0].id not in mod._forward_pre_hooks)  # detach_hooks
+            if gone or (key in want and want[key] is not mod):
                 for h in handles:
                     h.remove()
                 del self.norm_hooks[key]
                 _state.frozen_norms.pop(key, None)
+            elif key not in want:
+                _state.frozen_norms.pop(key, None)  # not held now: the hooks pass
         for key, mod in want.items():
             if key not in self.norm_hooks:
-                handles = [
+                self.norm_hooks[key] = (weakref.ref(mod), [
                     mod.register_forward_pre_hook(_norm_pre),
                     mod.register_forward_hook(_norm_post, always_call=True),
-                ]
-                self.norm_hooks[key] = (weakref.ref(mod), handles)
+                ])
+            held = _state.frozen_norms.get(key)
+            if held is None or held[0]() is not mod:  # a hold begins: what it keeps, from now
                 _state.frozen_norms[key] = (weakref.ref(mod), getattr(mod, "momentum", None),
                                             _stats_version(mod))
 
