@@ -692,16 +692,6 @@ def test_value_and_grad_of_a_compiled_loss_with_wrt_selectors():
     assert all(p.grad is None for p in m.parameters())  # no .grad side effects
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ts.value_and_grad (or structural_grad with a callable loss) whose loss calls a compiled "
-    "model (torch.compile(model) or model.compile()) recompiles it at every call: during the "
-    "callable, structural_grad registers a global forward pre-hook (grad.py, "
-    "_DeadCheckpoints) and dynamo guards on the global hook dict's keys (a new handle id each "
-    "call: '_global_forward_pre_hooks))[0] == 25'); PyTorch also warns 'Using "
-    "torch.compile(module) when there are global hooks' at each call of the wrapper. After "
-    "recompile_limit (8) the forward falls back to eager, and with fullgraph=True the 9th "
-    "training step crashes with FailOnRecompileLimitHit. Expected: one graph, reused at "
-    "every step, as for a tensor loss"))
 @pytest.mark.parametrize("how", ["wrapper-fullgraph", "wrapper", "in_place"])
 def test_value_and_grad_of_a_loss_calling_a_compiled_model_at_every_step(how):
     m, ref = _small(), _small()

@@ -427,3 +427,42 @@ def test_an_edge_whose_gradient_never_comes_counts_as_unreached():
     tree = ts.structural_grad(model, loss(), wrt=["w", "lin.bias"])
     assert torch.equal(tree["w"], torch.zeros(3))
     assert torch.equal(tree["lin"]["bias"], torch.autograd.grad(loss(), model.lin.bias)[0])
+
+
+def test_the_watch_hook_of_callable_losses_is_one_entry_and_gone_after_threads_and_nesting():
+    """A callable loss runs with one global forward pre-hook on (under one key, whatever the
+    number of calls, threads or nesting), and none is left after."""
+    import threading
+
+    from torch.nn.modules import module as module_mod
+
+    from torchstruct.grad import _watch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.randn(4, 3)
+    want = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    keys, errors = set(), []
+
+    def loss(m):
+        keys.update(k for k, h in module_mod._global_forward_pre_hooks.items() if h is _watch)
+        inner = ts.structural_grad(m, lambda mm: mm(x).sum())  # nested
+        assert torch.equal(inner["0"]["weight"], want[0])
+        return m(x).sum()
+
+    def work():
+        try:
+            for _ in range(20):
+                got = ts.tree.leaves(ts.structural_grad(model, loss))
+                assert all(torch.equal(a, b) for a, b in zip(got, want))
+        except Exception as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(keys) == 1
+    assert not any(h is _watch for h in module_mod._global_forward_pre_hooks.values())

@@ -39,6 +39,7 @@ Rules shared by all three:
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 
 import torch
@@ -422,9 +423,9 @@ class _DeadCheckpoints:
     input requiring grad (it runs its function under ``no_grad`` and records nothing, so their
     gradient is lost without a trace in the graph).
 
-    A global forward pre-hook, present only during the call, looks at the modules that own an
-    asked parameter when they run with grad disabled, and finds the checkpoint's ``forward``
-    among the calling frames of this thread.
+    A global forward pre-hook (:func:`_watch`), present only while some watch is on, looks at
+    the modules that own an asked parameter when they run with grad disabled, and finds the
+    checkpoint's ``forward`` among the calling frames of this thread.
     """
 
     def __init__(self, model: nn.Module, asked: Pairs) -> None:
@@ -437,18 +438,44 @@ class _DeadCheckpoints:
         self.blind: list[str] = []
 
     def __enter__(self) -> "_DeadCheckpoints":
-        self.handle = _module_mod.register_module_forward_pre_hook(self._seen)
+        with _WATCH_LOCK:
+            _WATCHES.append(self)
+            if len(_WATCHES) == 1:
+                _watch_on()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.handle.remove()
+        with _WATCH_LOCK:
+            _WATCHES[:] = [w for w in _WATCHES if w is not self]
+            if not _WATCHES:
+                _module_mod._global_forward_pre_hooks.pop(_WATCH_KEY[0], None)
 
-    def _seen(self, module: nn.Module, args) -> None:
-        if torch.is_grad_enabled():
-            return
+    def seen(self, module: nn.Module) -> None:
         own = self.owners.get(id(module))
-        if own and _in_dead_checkpoint(sys._getframe(1)):
+        if own and _in_dead_checkpoint(sys._getframe(2)):
             self.blind.extend(p for p in own if p not in self.blind)
+
+
+# The watches on now (all threads), and the key of their global hook. The hook goes in under
+# one key with one function every time: compiled code guards on the global hooks, and a new
+# key per call would compile a model called inside a loss callable again at every call.
+_WATCH_LOCK = threading.Lock()
+_WATCHES: list = []
+_WATCH_KEY: list = []
+
+
+def _watch(module: nn.Module, _args) -> None:
+    if torch.is_grad_enabled():
+        return
+    for w in list(_WATCHES):
+        w.seen(module)
+
+
+def _watch_on() -> None:
+    if not _WATCH_KEY:
+        _WATCH_KEY.append(_module_mod.register_module_forward_pre_hook(_watch).id)
+    else:
+        _module_mod._global_forward_pre_hooks[_WATCH_KEY[0]] = _watch
 
 
 def _in_dead_checkpoint(frame) -> bool:
