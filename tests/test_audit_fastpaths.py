@@ -221,6 +221,25 @@ def test_trainable_assigned_on_the_class_after_attach_is_read_by_the_next_contex
         ts.detach_hooks(m)
 
 
+def test_declaring_wrapper_inserted_behind_the_hooks_back_is_read():
+    class Wrapper(nn.Module):  # declares that nothing of it trains
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def trainable(self):
+            return []
+
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    ts.attach(m)
+    m._modules["0"] = Wrapper(m[0])  # no registration hook runs
+    assert [q for q, _ in ts.trainable_parameters(m)] == ["1.weight", "1.bias"]
+    with ts.freeze(m, "1"):
+        assert flags(m) == [False] * 4
+    assert flags(m) == [False, False, True, True]
+    ts.detach_hooks(m)
+
+
 # --- 3. contexts and other attached models -------------------------------------------------
 
 def test_contexts_on_roots_sharing_layers_with_other_attached_models():
@@ -258,6 +277,48 @@ def test_context_on_root_after_a_shared_layer_was_added_without_a_forward():
     assert all(flags(a)) and all(flags(b))
     ts.detach_hooks(a)
     ts.detach_hooks(b)
+
+
+def test_parameter_tied_behind_the_hooks_back_still_obeys_the_other_model():
+    lin = nn.Linear(2, 2)
+    b = nn.Sequential(lin)
+    ts.attach(b)
+    ts.mark_trainable(b)  # b: nothing trains
+    a = nn.Sequential(nn.Linear(2, 2))
+    ts.attach(a)
+    a[0]._parameters["weight"] = lin.weight  # no registration hook runs
+    with ts.unfreeze(a, "0.weight"):
+        assert not lin.weight.requires_grad  # one flag: b's declaration does not admit it
+    assert not lin.weight.requires_grad and not lin.bias.requires_grad
+    ts.mark_trainable(b, None)
+    assert lin.weight.requires_grad
+    ts.detach_hooks(a)
+    ts.detach_hooks(b)
+
+
+def test_contexts_on_different_models_from_threads():
+    ms = [nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)) for _ in range(4)]
+    ms[1][1] = ms[0][1]  # two of them share a layer: the context's selection keeps it on
+    for x in ms:
+        ts.attach(x)
+    bad = []
+
+    def work(x):
+        for _ in range(100):
+            with ts.freeze_except(x, "1"):
+                if flags(x)[2:] != [True, True]:
+                    bad.append("in")
+        if not all(flags(x)[2:]):
+            bad.append("out")
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in ms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == [] and all(all(flags(x)) for x in ms)
+    for x in ms:
+        ts.detach_hooks(x)
 
 
 def test_parameter_moved_between_models_inside_a_context_gets_its_flag_back():
@@ -590,6 +651,20 @@ def test_hold_unhold_rehold_matches_a_plain_twin(momentum):
     assert len(m[1]._forward_pre_hooks) >= 1  # kept while in the tree
     ts.detach_hooks(m)
     assert len(m[1]._forward_pre_hooks) == 0 and len(m[1]._forward_hooks) == 0
+
+
+def test_update_bn_between_holds_matches_a_plain_twin():
+    m = _bn_model(momentum=None)
+    twin = copy.deepcopy(m)
+    ts.attach(m)
+    data = [torch.randn(5, 3) for _ in range(3)]
+    for _ in range(2):
+        with ts.freeze(m, "1"):
+            m(torch.randn(5, 3))  # held: nothing changes
+        torch.optim.swa_utils.update_bn(data, m)  # not held: the kept hooks pass
+        torch.optim.swa_utils.update_bn(data, twin)
+        assert _same_stats(m[1], twin[1])
+    ts.detach_hooks(m)
 
 
 def test_layer_leaving_the_tree_after_an_unhold_runs_plain():
