@@ -410,6 +410,30 @@ def test_transposed_contiguous_span_is_its_byte_range():
         ts.optim.SGD([p, r], lr=0.1).step()
 
 
+def test_dense_non_contiguous_views_step_like_torch_and_overlaps_are_refused():
+    base = torch.randn(8 + 2 * 3 * 2 * 2 + 4)
+    ps = [nn.Parameter(base[:8].view(2, 4).t()),  # transposed: dense, not contiguous
+          nn.Parameter(base[8:32].view(2, 3, 2, 2).permute(0, 2, 3, 1)),  # channels-last-like
+          nn.Parameter(base[32:])]
+    qs = [nn.Parameter(p.detach().clone()) for p in ps]
+    for p, q in zip(ps, qs):
+        g = torch.randn_like(p)
+        p.grad, q.grad = g.clone(), g.clone()
+    o = ts.optim.AdamW(ps, lr=0.01)
+    r = torch.optim.AdamW(qs, lr=0.01, foreach=False)
+    for _ in range(2):
+        o.step()
+        r.step()
+    for p, q in zip(ps, qs):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    s = nn.Parameter(base[7:9])
+    s.grad = torch.ones(2)
+    before = base.clone()
+    with pytest.raises(RuntimeError, match="shares its memory"):
+        ts.optim.SGD([ps[0], s], lr=0.1).step()
+    assert torch.equal(base, before)
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "two meta parameters on distinct storages: the step planning finds no overlap (memory per "
     "storage), but the op's own check (_reference.py sgd_step_) compares addresses and raises "
@@ -588,6 +612,24 @@ def test_within_gradient_compiled_on_unusual_tensors(backend, kind):
             want = f(t)
             assert want == (_eager_answer(t) and not torch.is_inference_mode_enabled())
             assert cf(t) == want
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_within_gradient_of_a_parameter_in_blocks_compiled_equals_eager(backend):
+    torch._dynamo.reset()
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+
+    def f(mod):
+        return ts.within_gradient(mod[0].weight), ts.within_gradient(mod[1].weight)
+
+    cf = torch.compile(f, backend=backend)
+    assert cf(m) == f(m) == (True, True)
+    with ts.stop_gradient(m, "0"):
+        assert f(m) == (False, True)
+        assert cf(m) == (False, True)
+    with torch.no_grad():
+        assert cf(m) == f(m) == (False, False)
+    assert cf(m) == (True, True)
 
 
 _UNVIEWABLE = {
