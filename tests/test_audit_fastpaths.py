@@ -262,6 +262,29 @@ def test_contexts_on_roots_sharing_layers_with_other_attached_models():
         ts.detach_hooks(x)
 
 
+def test_contexts_on_a_submodule_shared_by_two_attached_models():
+    sub = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    a = nn.Sequential(sub, nn.Linear(2, 1))
+    b = nn.Sequential(nn.Linear(2, 2), sub)
+    ts.attach(a)
+    ts.attach(b)
+    with ts.freeze(sub, "0"):
+        assert flags(a) == [False, False, True, True, True, True]
+        assert flags(b) == [True, True, False, False, True, True]
+        with ts.freeze_except(b, "0"):  # the inner one wins; the shared flags are one
+            assert flags(a) == [False, False, False, False, True, True]
+            assert flags(b) == [True, True, False, False, False, False]
+        assert flags(b) == [True, True, False, False, True, True]
+    assert all(flags(a)) and all(flags(b))
+    ts.mark_trainable(sub, "1")
+    with ts.unfreeze(a, "0.0"):  # an unfreeze does not override a declaration
+        assert flags(a)[:2] == [False, False] and flags(b)[2:4] == [False, False]
+    ts.mark_trainable(sub, None)
+    assert all(flags(a)) and all(flags(b))
+    ts.detach_hooks(a)
+    ts.detach_hooks(b)
+
+
 def test_context_on_root_after_a_shared_layer_was_added_without_a_forward():
     a = nn.Sequential(nn.Linear(2, 2))
     b = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
