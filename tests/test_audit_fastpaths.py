@@ -457,6 +457,24 @@ def test_dense_non_contiguous_views_step_like_torch_and_overlaps_are_refused():
     assert torch.equal(base, before)
 
 
+def test_views_of_one_storage_in_two_dtypes():
+    base = torch.randn(8)
+    p = nn.Parameter(base[:4])  # bytes 0..16
+    q = nn.Parameter(base.view(torch.bfloat16)[6:10])  # bytes 12..20: overlaps p
+    r = nn.Parameter(base.view(torch.bfloat16)[8:12])  # bytes 16..24: adjacent to p
+    for x in (p, q, r):
+        x.grad = torch.ones_like(x)
+    before = base.clone()
+    with pytest.raises(RuntimeError, match="shares its memory"):
+        ts.optim.SGD([p, q], lr=0.1).step()
+    assert torch.equal(base, before)
+    p2, r2 = (nn.Parameter(x.detach().clone()) for x in (p, r))
+    p2.grad, r2.grad = torch.ones_like(p2), torch.ones_like(r2)
+    ts.optim.SGD([p, r], lr=0.1).step()
+    torch.optim.SGD([p2, r2], lr=0.1, foreach=False).step()
+    assert torch.equal(p.detach(), p2.detach()) and torch.equal(r.detach(), r2.detach())
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "two meta parameters on distinct storages: the step planning finds no overlap (memory per "
     "storage), but the op's own check (_reference.py sgd_step_) compares addresses and raises "
@@ -822,6 +840,27 @@ def test_global_norm_inside_swap_reads_own_grads_eager_and_compiled():
     with ts.swap(m, stand):
         torch.testing.assert_close(ts.global_norm(m), want)
         torch.testing.assert_close(cf(m), want)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_clip_of_a_model_inside_swap_clips_the_parameters_own_grads(compiled):
+    torch._dynamo.reset()
+    m = _grads_model()
+    r = copy.deepcopy(m)
+    for p, q in zip(m.parameters(), r.parameters()):
+        q.grad = p.grad.clone()
+    stand = {k: v.detach().clone().requires_grad_() for k, v in m.named_parameters()}
+    for v in stand.values():
+        v.grad = torch.full_like(v, 7.0)
+    f = lambda mod: ts.clip_by_global_norm(mod, 0.01)  # noqa: E731
+    f = torch.compile(f, backend="eager") if compiled else f
+    with ts.swap(m, stand):
+        n = f(m)
+    want = torch.nn.utils.clip_grad_norm_(list(r.parameters()), 0.01)
+    torch.testing.assert_close(n, want)
+    for p, q in zip(m.parameters(), r.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+    assert all(torch.equal(v.grad, torch.full_like(v, 7.0)) for v in stand.values())
 
 
 def test_compiled_global_norm_follows_contexts_between_calls():
