@@ -320,14 +320,22 @@ def validate_step_inputs(op, params, grads, states, masks, steps=None):
                 raise RuntimeError(f"{op}: step {i} is on {s.device} but parameter {i} is on {p.device}")
         first = {}
         for i, s in enumerate(steps):
-            j = first.setdefault(s.data_ptr(), i)
+            j = first.setdefault(_start(s), i)
             if j != i:
                 raise RuntimeError(f"{op}: step {i} and step {j} are the same tensor; each "
                                    f"parameter needs its own step count")
-    if len({p.data_ptr() for p in params if p.numel() > 0}) != sum(1 for p in params if p.numel() > 0):
+    if len({_start(p) for p in params if p.numel() > 0}) != sum(1 for p in params if p.numel() > 0):
         raise RuntimeError(f"{op}: a parameter shares its memory with another; each tensor may be "
                            f"stepped once per call")
     return params
+
+
+def _start(t: torch.Tensor):
+    """Where ``t``'s first element is: its address, or for a ``meta`` tensor (no memory: every
+    one is at address 0) its storage and offset."""
+    if t.is_meta:
+        return "meta", t.untyped_storage()._cdata, t.storage_offset()
+    return t.data_ptr()
 
 
 def _is_non_overlapping_and_dense(t: torch.Tensor) -> bool:

@@ -19,7 +19,8 @@ tangent under ``no_grad``, so ``within_gradient`` stays True for it there (it is
 ``inference_mode``, which stops tangents as well).
 
 Under ``torch.compile`` (also ``fullgraph=True``) the check reduces to ``torch.is_grad_enabled()``
-and the ``requires_grad`` of an identity view of ``x`` (traced away), which dynamo specializes
+and the ``requires_grad`` of an identity view of ``x`` (traced away; sparse and nested tensors,
+which have no view, are read as they are), which dynamo specializes
 and guards on: each branch of a function that branches on it is compiled for the mode it is
 called in, without a graph break. The view passes through torch function modes where a
 property read does not in traced code (a ``stop_gradient`` / ``swap`` block's stand-in
@@ -61,7 +62,8 @@ def _tracked(t: Tensor) -> bool:
         # in traced code a property read does not pass through torch function modes, an
         # operation does: the flag of an identity view is the stand-in's inside a
         # stop_gradient or swap block (the parameter's own elsewhere)
-        if grad_mode and t.view_as(t).requires_grad:
+        probe = t.view_as(t) if t.layout == torch.strided and not t.is_nested else t
+        if grad_mode and probe.requires_grad:  # (sparse, nested, mkldnn: no view; read as is)
             return True
         if _fwad._current_level >= 0:  # traced code cannot see tangents: ask eagerly
             return _tracked_eagerly(t)
