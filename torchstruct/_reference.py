@@ -320,22 +320,31 @@ def validate_step_inputs(op, params, grads, states, masks, steps=None):
                 raise RuntimeError(f"{op}: step {i} is on {s.device} but parameter {i} is on {p.device}")
         first = {}
         for i, s in enumerate(steps):
-            j = first.setdefault(_start(s), i)
+            j = first.setdefault(_place(s)[:2], i)
             if j != i:
                 raise RuntimeError(f"{op}: step {i} and step {j} are the same tensor; each "
                                    f"parameter needs its own step count")
-    if len({_start(p) for p in params if p.numel() > 0}) != sum(1 for p in params if p.numel() > 0):
+    if len({_place(p)[:2] for p in params if p.numel() > 0}) != sum(1 for p in params if p.numel() > 0):
         raise RuntimeError(f"{op}: a parameter shares its memory with another; each tensor may be "
                            f"stepped once per call")
     return params
 
 
-def _start(t: torch.Tensor):
-    """Where ``t``'s first element is: its address, or for a ``meta`` tensor (no memory: every
-    one is at address 0) its storage and offset."""
+def _place(t: torch.Tensor) -> tuple[object, int, int]:
+    """Where ``t``'s bytes are: ``(memory, start, end)``, the byte range ``[start, end)`` it may
+    touch in that memory. Memory is a device's address space (tensors on different storages
+    may share bytes: ``from_numpy``, dlpack), or, for ``meta`` tensors, which have no bytes,
+    their storage."""
     if t.is_meta:
-        return "meta", t.untyped_storage()._cdata, t.storage_offset()
-    return t.data_ptr()
+        memory, start = ("meta", t.untyped_storage()._cdata), t.storage_offset() * t.element_size()
+    else:
+        memory, start = t.device, t.data_ptr()
+    n = t.numel()
+    if n == 0:
+        return memory, 0, 0
+    span = n if t.is_contiguous() else 1 + sum((k - 1) * abs(s)
+                                               for k, s in zip(t.shape, t.stride()))
+    return memory, start, start + span * t.element_size()
 
 
 def _is_non_overlapping_and_dense(t: torch.Tensor) -> bool:

@@ -54,6 +54,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 from . import _state
 from ._ops import run_eagerly
+from ._reference import _place
 from .contexts import _Context
 from .select import _closest, index, select
 from .tree import to_flat_dict
@@ -540,23 +541,6 @@ def _written_args(func) -> tuple[tuple[int, str], ...]:
         )
         _WRITES[func] = hit
     return hit
-
-
-def _place(t: Tensor) -> tuple[object, int, int]:
-    """Where ``t``'s bytes are: ``(memory, start, end)``, the byte range ``[start, end)`` it may
-    touch in that memory. Memory is a device's address space (tensors on different storages
-    may share bytes: ``from_numpy``, dlpack), or, for ``meta`` tensors, which have no bytes,
-    their storage."""
-    if t.is_meta:
-        memory, start = ("meta", t.untyped_storage()._cdata), t.storage_offset() * t.element_size()
-    else:
-        memory, start = t.device, t.data_ptr()
-    n = t.numel()
-    if n == 0:
-        return memory, 0, 0
-    span = n if t.is_contiguous() else 1 + sum((k - 1) * abs(s)
-                                               for k, s in zip(t.shape, t.stride()))
-    return memory, start, start + span * t.element_size()
 
 
 _SPARSE_PARTS = {

@@ -19,10 +19,10 @@ tangent under ``no_grad``, so ``within_gradient`` stays True for it there (it is
 ``inference_mode``, which stops tangents as well).
 
 Under ``torch.compile`` (also ``fullgraph=True``) the check reduces to ``torch.is_grad_enabled()``
-and the ``requires_grad`` of an identity view of ``x`` (traced away; sparse and nested tensors,
-which have no view, are read as they are), which dynamo specializes
-and guards on: each branch of a function that branches on it is compiled for the mode it is
-called in, without a graph break. The view passes through torch function modes where a
+and the ``requires_grad`` of an identity view of ``x`` (traced away; sparse and nested
+tensors, which have no view, are read as they are), which dynamo specializes and guards on:
+each branch of a function that branches on it is compiled for the mode it is called in,
+without a graph break. The view passes through torch function modes where a
 property read does not in traced code (a ``stop_gradient`` / ``swap`` block's stand-in
 answers), and it is right inside ``torch.func.grad`` / ``vjp`` / ``jacrev`` compiled as a
 whole. Inside a forward-AD level (``torch.autograd.forward_ad.dual_level``), where traced code
@@ -61,9 +61,10 @@ def _tracked(t: Tensor) -> bool:
     if _compiling():
         # in traced code a property read does not pass through torch function modes, an
         # operation does: the flag of an identity view is the stand-in's inside a
-        # stop_gradient or swap block (the parameter's own elsewhere)
-        probe = t.view_as(t) if t.layout == torch.strided and not t.is_nested else t
-        if grad_mode and probe.requires_grad:  # (sparse, nested, mkldnn: no view; read as is)
+        # stop_gradient or swap block (the parameter's own elsewhere). Sparse and nested
+        # tensors have no view: read as they are
+        if grad_mode and (t.view_as(t) if t.layout == torch.strided and not t.is_nested
+                          else t).requires_grad:
             return True
         if _fwad._current_level >= 0:  # traced code cannot see tangents: ask eagerly
             return _tracked_eagerly(t)

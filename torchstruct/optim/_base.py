@@ -42,8 +42,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _dtensor, _ops, _state
-from .._reference import FLOAT_DTYPES, _is_non_overlapping_and_dense, validate_norm_type
-from ..blocks import _place
+from .._reference import FLOAT_DTYPES, _is_non_overlapping_and_dense, _place, validate_norm_type
 from ..select import _closest
 
 __all__ = ["MaskedOptimizer"]
