@@ -12,10 +12,17 @@ hold (``_cuda_decision``):
 * torch is a CUDA build (``torch.version.cuda`` is set);
 * a CUDA toolkit is found (``CUDA_HOME`` / ``CUDA_PATH``, ``nvcc`` on ``PATH``
   or ``/usr/local/cuda``) and has ``bin/nvcc`` (a runtime-only CUDA install has
-  none);
+  none), ``include/cuda_runtime_api.h`` and ``libcudart`` (what the build
+  includes and links);
 * that nvcc's major version equals the major version of ``torch.version.cuda``;
 * the GPU architectures are known: ``TORCH_CUDA_ARCH_LIST`` is set, or a GPU is
   visible to detect them from.
+
+When neither ``CUDA_HOME`` nor ``CUDA_PATH`` is set and the ``nvcc`` on ``PATH``
+is a link or wrapper script outside its toolkit (``/usr/local/bin/nvcc`` running
+``/usr/local/cuda-13.0/bin/nvcc``), torch would take the folder above it
+(``/usr/local``) for the toolkit; the build then uses the toolkit nvcc itself
+reports instead, and says so (``_nvccs_toolkit``).
 
 Otherwise the CPU kernels are built and one line says why the CUDA kernels were
 skipped and how to get them; on a GPU the ops then run on PyTorch's own
@@ -34,6 +41,7 @@ Environment variables:
 import glob
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -68,7 +76,7 @@ def _major(version):
 
 
 def _cuda_decision(torch_cuda, cuda_home, nvcc_found, nvcc_version, arch_list, gpu_visible,
-                   no_cuda=False):
+                   no_cuda=False, runtime_found=True):
     """Whether to build the CUDA kernels, from the facts of this machine.
 
     Arguments:
@@ -79,6 +87,8 @@ def _cuda_decision(torch_cuda, cuda_home, nvcc_found, nvcc_version, arch_list, g
         arch_list: the value of ``TORCH_CUDA_ARCH_LIST`` (None or empty: unset).
         gpu_visible: whether a CUDA device is visible (torch detects the arch from it).
         no_cuda: ``TORCHSTRUCT_NO_CUDA`` is set.
+        runtime_found: whether ``cuda_home`` has the CUDA runtime's header and library
+            (``_has_runtime``).
 
     Returns:
         ``(True, None)`` to build them, else ``(False, reason)``: one line saying
@@ -95,6 +105,10 @@ def _cuda_decision(torch_cuda, cuda_home, nvcc_found, nvcc_version, arch_list, g
     if not nvcc_found:
         return False, (f"CUDA_HOME={cuda_home} has no bin/nvcc (a runtime-only CUDA); install "
                        f"the CUDA {torch_cuda} toolkit and point CUDA_HOME at it, then reinstall")
+    if not runtime_found:
+        return False, (f"CUDA_HOME={cuda_home} has no CUDA runtime to build against "
+                       f"(include/cuda_runtime_api.h and lib64/libcudart.so); point CUDA_HOME at "
+                       f"the CUDA {torch_cuda} toolkit's own folder, then reinstall")
     if _major(nvcc_version) is None:
         return False, (f"could not read the version of {os.path.join(cuda_home, 'bin', 'nvcc')}; "
                        f"point CUDA_HOME at a working CUDA {torch_cuda} toolkit, then reinstall")
@@ -118,6 +132,46 @@ def _nvcc_version(nvcc):
     return match.group(1) if match else None
 
 
+def _has_runtime(cuda_home):
+    """Whether the toolkit folder ``cuda_home`` holds the CUDA runtime's header and library,
+    which torch's build includes (``<cuda_home>/include``) and links (``-lcudart`` from
+    ``<cuda_home>/lib64``, or ``lib``)."""
+    if not cuda_home or not os.path.isfile(os.path.join(cuda_home, "include",
+                                                        "cuda_runtime_api.h")):
+        return False
+    if sys.platform == "win32":
+        return True  # the import library's folder varies (lib/x64); the header decides
+    return any(glob.glob(os.path.join(cuda_home, d, "libcudart.so*")) for d in ("lib64", "lib"))
+
+
+def _toolkit_of(nvcc):
+    """The toolkit folder ``nvcc`` compiles with, as it reports it (its ``TOP``, through any
+    link or wrapper script), or None when it cannot say."""
+    try:
+        out = subprocess.run([nvcc, "--dryrun", "-x", "cu", "-E", os.devnull],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    match = re.search(r"^#\$ TOP=(.+?)\s*$", out.stderr + "\n" + out.stdout, re.M)
+    return os.path.normpath(match.group(1)) if match else None
+
+
+def _nvccs_toolkit(environ, which=shutil.which):
+    """The toolkit to build with when torch would guess it wrong, else None.
+
+    With no ``CUDA_HOME`` / ``CUDA_PATH`` set, torch takes the folder above the folder of the
+    ``nvcc`` on ``PATH``. When that folder has no CUDA runtime (``_has_runtime``) but the
+    toolkit nvcc itself reports has one (nvcc is a link or a wrapper script), that toolkit.
+    """
+    if environ.get("CUDA_HOME") or environ.get("CUDA_PATH"):
+        return None
+    nvcc = which("nvcc")
+    if nvcc is None or _has_runtime(os.path.dirname(os.path.dirname(nvcc))):
+        return None
+    top = _toolkit_of(nvcc)
+    return top if _has_runtime(top) else None
+
+
 def _cuda_facts(torch, cpp_extension):
     """The arguments of ``_cuda_decision`` for this machine."""
     cuda_home = cpp_extension.CUDA_HOME
@@ -135,6 +189,7 @@ def _cuda_facts(torch, cpp_extension):
         arch_list=os.environ.get("TORCH_CUDA_ARCH_LIST"),
         gpu_visible=gpu_visible,
         no_cuda=_flag("TORCHSTRUCT_NO_CUDA"),
+        runtime_found=_has_runtime(cuda_home),
     )
 
 
@@ -143,6 +198,13 @@ def extensions():
         return [], {}
 
     import torch
+
+    # before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import
+    top = _nvccs_toolkit(os.environ) if torch.version.cuda else None
+    if top is not None:
+        os.environ["CUDA_HOME"] = top
+        print(f"torchstruct: the nvcc on PATH runs the CUDA toolkit in {top}; building with "
+              f"CUDA_HOME={top}", file=sys.stderr)
     from torch.utils import cpp_extension
 
     with_cuda, reason = _cuda_decision(**_cuda_facts(torch, cpp_extension))

@@ -20,7 +20,8 @@ def _load_setup():
 setup_py = _load_setup()
 
 HAPPY = dict(torch_cuda="12.4", cuda_home="/usr/local/cuda", nvcc_found=True,
-             nvcc_version="12.6", arch_list=None, gpu_visible=True, no_cuda=False)
+             nvcc_version="12.6", arch_list=None, gpu_visible=True, no_cuda=False,
+             runtime_found=True)
 
 
 def decide(**changes):
@@ -77,10 +78,19 @@ def test_major(version, major):
     assert setup_py._major(version) == major
 
 
+def test_a_toolkit_folder_without_the_runtime():
+    """nvcc found, but no header or library to build against (torch took /usr/local for the
+    toolkit, from a wrapper script in /usr/local/bin): the CPU kernels, not a failed link."""
+    build, reason = decide(cuda_home="/usr/local", runtime_found=False)
+    assert not build
+    assert "CUDA_HOME=/usr/local has no CUDA runtime" in reason
+    assert "cuda_runtime_api.h" in reason and "libcudart" in reason and "12.4" in reason
+
+
 def test_every_reason_is_one_line():
     cases = [dict(no_cuda=True), dict(torch_cuda=None), dict(cuda_home=None),
              dict(nvcc_found=False), dict(nvcc_version=None), dict(nvcc_version="11.8"),
-             dict(gpu_visible=False)]
+             dict(gpu_visible=False), dict(runtime_found=False)]
     for case in cases:
         build, reason = decide(**case)
         assert not build and reason and "\n" not in reason
@@ -166,3 +176,85 @@ def test_cuda_launch_tables_on_the_host(tmp_path):
     assert build.returncode == 0, build.stderr[-3000:]
     run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+
+
+# ------------------------------------------------------------------ which toolkit nvcc belongs to
+def _toolkit(root, header=True, lib="lib64"):
+    """A fake CUDA toolkit folder: bin/nvcc, and the runtime's header and library if asked."""
+    (root / "bin").mkdir(parents=True)
+    if header:
+        (root / "include").mkdir()
+        (root / "include" / "cuda_runtime_api.h").write_text("")
+    if lib:
+        (root / lib).mkdir()
+        (root / lib / "libcudart.so.13").write_text("")
+    return root
+
+
+def _script(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n" + text + "\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize("header, lib, expected", [
+    (True, "lib64", True), (True, "lib", True), (True, None, False), (False, "lib64", False)])
+def test_has_runtime(tmp_path, header, lib, expected):
+    assert setup_py._has_runtime(str(_toolkit(tmp_path / "cuda", header, lib))) is expected
+
+
+def test_has_runtime_of_no_folder(tmp_path):
+    assert setup_py._has_runtime(None) is False
+    assert setup_py._has_runtime(str(tmp_path / "missing")) is False
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="shell scripts stand in for nvcc")
+def test_toolkit_of_reads_what_nvcc_reports(tmp_path):
+    top = tmp_path / "cuda-13.0"
+    nvcc = _script(tmp_path / "bin" / "nvcc", f"echo '#$ _NVVM_BRANCH_=nvvm' >&2\n"
+                                              f"echo '#$ TOP={top}/bin/..' >&2")
+    assert setup_py._toolkit_of(nvcc) == str(top)
+    silent = _script(tmp_path / "other" / "nvcc", "exit 1")
+    assert setup_py._toolkit_of(silent) is None
+    assert setup_py._toolkit_of(str(tmp_path / "no-such-nvcc")) is None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="shell scripts stand in for nvcc")
+def test_a_wrapper_nvcc_points_the_build_at_its_own_toolkit(tmp_path):
+    """/usr/local/bin/nvcc running /usr/local/cuda-13.0/bin/nvcc: torch would take /usr/local
+    for the toolkit and the link would fail (no libcudart there); nvcc's own toolkit is used."""
+    real = _toolkit(tmp_path / "cuda-13.0")
+    wrapper = _script(tmp_path / "local" / "bin" / "nvcc", f"echo '#$ TOP={real}/bin/..' >&2")
+
+    def which(name):
+        return wrapper if name == "nvcc" else None
+
+    assert setup_py._nvccs_toolkit({}, which) == str(real)
+    # a folder chosen by the user is theirs
+    assert setup_py._nvccs_toolkit({"CUDA_HOME": "/opt/cuda"}, which) is None
+    assert setup_py._nvccs_toolkit({"CUDA_PATH": "/opt/cuda"}, which) is None
+    # no nvcc on PATH: torch's own guess (/usr/local/cuda) stands
+    assert setup_py._nvccs_toolkit({}, lambda name: None) is None
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="shell scripts stand in for nvcc")
+def test_an_nvcc_inside_a_whole_toolkit_or_beside_none_is_left_alone(tmp_path):
+    whole = _toolkit(tmp_path / "cuda")
+    inside = _script(whole / "bin" / "nvcc", "echo '#$ TOP=/elsewhere/bin/..' >&2")
+    assert setup_py._nvccs_toolkit({}, lambda name: inside) is None  # torch's guess is right
+    broken = _toolkit(tmp_path / "broken", header=False, lib=None)
+    wrapper = _script(tmp_path / "local" / "bin" / "nvcc", f"echo '#$ TOP={broken}/bin/..' >&2")
+    # nvcc's own toolkit has no runtime either: nothing better to offer, the decision says why
+    assert setup_py._nvccs_toolkit({}, lambda name: wrapper) is None
+
+
+def test_the_nvcc_of_this_machine_reports_a_whole_toolkit():
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("no nvcc on PATH")
+    top = setup_py._toolkit_of(nvcc)
+    assert top is not None and os.path.isfile(os.path.join(top, "bin", "nvcc"))
+    assert setup_py._has_runtime(top)
