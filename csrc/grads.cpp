@@ -8,19 +8,35 @@
 // for anything else (an element that is not a tensor, no gradient at all, input the kernel
 // refuses, a device other than CPU and CUDA, a tensor subclass such as DTensor): the caller then
 // takes the checked Python path, which explains the problem. The kernels check every input
-// before writing, so a refused call has written nothing. Running out of memory (or a device
-// error) is not a refusal and may come after a write: it is raised, never retried.
+// before writing, so a refused call has written nothing; an error raised after the kernel began
+// to write (it counts its writes first: the first gradient's version counter moved) is raised,
+// never retried. Running out of memory (or a device error) is not a refusal either.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/version.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <exception>
+#include <string>
 #include <utility>
 #include <vector>
 
+// c10::AcceleratorError (a CUDA error) exists from torch 2.8 on; before, a CUDA error is a plain
+// c10::Error whose message begins "CUDA error".
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#define TORCHSTRUCT_ACCELERATOR_ERROR 1
+#endif
+
 namespace torchstruct {
+namespace {
+
+bool is_device_error(const c10::Error& err) {
+  return std::string(err.what_without_backtrace()).rfind("CUDA error", 0) == 0;
+}
+
+}  // namespace
 
 PyObject* clip_grads(PyObject* /*self*/, PyObject* args) {
   PyObject* params = nullptr;
@@ -47,6 +63,8 @@ PyObject* clip_grads(PyObject* /*self*/, PyObject* args) {
 
   at::Tensor norm;
   std::exception_ptr failure;  // not a refusal: raised below
+  std::exception_ptr refusal;  // the checked path explains
+  const int64_t version = grads[0]._version();
   PyThreadState* thread = PyEval_SaveThread();
   try {
     static const auto op = c10::Dispatcher::singleton()
@@ -58,13 +76,22 @@ PyObject* clip_grads(PyObject* /*self*/, PyObject* args) {
     norm = op.call(grads, max_norm, norm_type);
   } catch (const c10::OutOfMemoryError&) {
     failure = std::current_exception();
+#ifdef TORCHSTRUCT_ACCELERATOR_ERROR
   } catch (const c10::AcceleratorError&) {
     failure = std::current_exception();
+#endif
+  } catch (const c10::Error& err) {
+    (is_device_error(err) ? failure : refusal) = std::current_exception();
   } catch (const std::exception&) {
-    PyEval_RestoreThread(thread);
-    Py_RETURN_NONE;  // refused: the checked path explains
+    refusal = std::current_exception();
+  }
+  if (refusal && grads[0]._version() != version) {
+    // the kernel got past its checks (it counts its writes first): taking the checked path
+    // would clip a second time, so the error is raised
+    failure = std::exchange(refusal, nullptr);
   }
   PyEval_RestoreThread(thread);
+  if (refusal) Py_RETURN_NONE;
   if (failure) {
     HANDLE_TH_ERRORS
     std::rethrow_exception(failure);

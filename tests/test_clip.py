@@ -515,6 +515,42 @@ def test_fp16_norm_overflow_documented(backend):
         ts.clip_by_global_norm([w], 1.0, error_if_nonfinite=True)
 
 
+def test_fp16_norm_overflow_is_clipped_once_through_every_entry_point(backend):
+    """The same case through a module and a tuple (the C++ entry point that reads .grad): the
+    gradients are scaled once to norm 1, never a second time through a retry."""
+    for wrap in (lambda w: (w,), lambda w: [w], lambda w: nn.ModuleList([_holder(w)])):
+        w = make_param((4,), torch.float16)
+        w.grad = torch.full((4,), 60000.0, dtype=torch.float16)
+        version = w.grad._version
+        n = ts.clip_by_global_norm(wrap(w), 1.0)
+        assert math.isinf(n.item())
+        torch.testing.assert_close(w.grad, torch.full((4,), 0.5, dtype=torch.float16))
+        assert w.grad._version == version + 1  # written once
+
+
+def _holder(w):
+    m = nn.Module()
+    m.w = w
+    return m
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_norm_beyond_the_dtype_range_is_inf_as_torch_returns_it(backend, dtype):
+    """fp32 (or bf16) gradients whose norm exceeds the dtype's largest value: torch returns inf
+    and scales every gradient by 0; so does every backend, with the norm in the same dtype."""
+    big = 3e38
+    w, ref = make_param((2,), dtype), make_param((2,), dtype)
+    w.grad = torch.full((2,), big, dtype=dtype)
+    ref.grad = w.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_([ref], 1.0, foreach=False)
+    got = ts.clip_by_global_norm([w], 1.0)
+    assert got.dtype == want.dtype == dtype and math.isinf(got.item()) and math.isinf(want.item())
+    assert torch.equal(w.grad, ref.grad)
+    norm = ts.global_norm([torch.full((2,), big, dtype=dtype)])
+    assert math.isinf(norm.item())
+    assert math.isinf(torch.linalg.vector_norm(torch.full((2,), big, dtype=dtype)).item())
+
+
 # --------------------------------------------------------------------------- torch.compile
 
 

@@ -241,8 +241,9 @@ at::Tensor clip_by_global_norm_cpu(at::TensorList grads, double max_norm, double
                           ? clip_coefficient<double>(norm, max_norm)
                           : static_cast<double>(
                                 clip_coefficient<float>(static_cast<float>(norm), max_norm));
+  at::Tensor out = cpu::cpu_scalar(norm, promoted_dtype(grads));  // before any write
   apply_scale(grads, plan, coef);
-  return at::scalar_tensor(norm, at::TensorOptions().dtype(promoted_dtype(grads)).device(c10::kCPU));
+  return out;
 }
 
 }  // namespace

@@ -6,7 +6,6 @@
 // from a contiguous copy.
 #include "norm.h"
 
-#include <ATen/ops/scalar_tensor.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -30,7 +29,7 @@ at::Tensor global_norm_cpu(at::TensorList tensors, double norm_type) {
     total += t.numel();
   }
   const double result = cpu::norm_of_chunks(chunks, norm_type, total);
-  return at::scalar_tensor(result, at::TensorOptions().dtype(out_dtype).device(c10::kCPU));
+  return cpu::cpu_scalar(result, out_dtype);
 }
 
 }  // namespace

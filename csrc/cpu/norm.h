@@ -11,6 +11,7 @@
 #include "elements.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/scalar_tensor.h>
 
 #include <cstdint>
 #include <vector>
@@ -78,6 +79,13 @@ inline int64_t chunk_grain(int64_t nchunks, int64_t total_elems) {
 // NaN-propagating), before the root; 0 for no chunks. `total_elems`: the
 // number of elements in `chunks`, for the parallel grain.
 double reduce_chunks(const std::vector<Chunk>& chunks, double p, int64_t total_elems);
+
+// A 0-dim CPU tensor of `dtype` holding `value`, rounded as a tensor cast rounds: a value beyond
+// the dtype's range becomes inf, as torch's own norms return it (at::scalar_tensor refuses such a
+// value in older torch, 2.4 among them).
+inline at::Tensor cpu_scalar(double value, c10::ScalarType dtype) {
+  return at::scalar_tensor(value, at::TensorOptions().dtype(c10::kDouble)).to(dtype);
+}
 
 // The p-norm of all chunks (reduce_chunks then finish_norm).
 inline double norm_of_chunks(const std::vector<Chunk>& chunks, double p, int64_t total_elems) {
