@@ -38,21 +38,18 @@ through its dispatch mode as well.
 from __future__ import annotations
 
 import bisect
-import inspect
 import sys
-import weakref
 from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch._C import _functorch
-from torch.autograd.function import _is_setup_context_defined
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from . import _state
+from . import _custom_functions, _state
 from ._ops import run_eagerly
 from ._reference import _place
 from .contexts import _Context
@@ -175,35 +172,29 @@ class _Substitute(TorchFunctionMode):
         """A parameter handed directly to a custom ``torch.autograd.Function`` running now:
         ``apply`` passes through no torch function mode, so the function's backward node has
         an edge to the parameter itself. Its forward's operations see the stand-in (that is how
-        this is found); inside ``stop_gradient`` the node's gradient for the parameter is cut
-        (a hook on the node; the stand-in aliases the parameter, so everything else the node
-        saved is the same), which is exact. Anywhere else it is refused."""
-        frame = sys._getframe(2)
-        while frame is not None:
-            caller = frame.f_back
-            if (caller is not None and caller.f_code is _FUNCTION_APPLY
-                    and not _is_pack_hook(frame)):
-                self._cut(frame, _apply_inputs(caller.f_locals))
-            frame = caller
+        this is found, see :mod:`torchstruct._custom_functions`); inside ``stop_gradient`` the
+        node's gradient for the parameter is cut (a hook on the node; the stand-in aliases the
+        parameter, so everything else the node saved is the same), which is exact. Anywhere
+        else it is refused."""
+        for frame, name, takes_ctx in _custom_functions.running_forwards(sys._getframe(2)):
+            self._cut(frame, name, takes_ctx)
 
-    def _cut(self, forward, args) -> None:
-        tensors = [a for a in args if isinstance(a, Tensor)]  # the node's inputs, in order
-        cut = {i for i, a in enumerate(tensors)
-               if (hit := self.table.get(id(a))) is not None and hit[0] is a}
-        if not cut:
-            return
-        code = forward.f_code
-        ctx = _first_argument(forward)
+    def _cut(self, forward, name: str, takes_ctx: bool) -> None:
+        ctx = _custom_functions.first_argument(forward) if takes_ctx else None
         if isinstance(ctx, torch.autograd.function.BackwardCFunction):
-            edges = ctx.next_functions  # empty when apply records nothing (no_grad)
-            needed = {i for i in cut if edges and edges[i][0] is not None}
+            # the node's edges, one per tensor input (empty when apply records nothing,
+            # under no_grad): an edge to a replaced parameter is one to cut
+            needed = {i: v for i, (node, _) in enumerate(ctx.next_functions)
+                      if (v := getattr(node, "variable", None)) is not None
+                      and (hit := self.table.get(id(v))) is not None and hit[0] is v}
         else:  # a forward without ctx (setup_context): whether apply records is not known
             with torch._C.DisableTorchFunction():
-                needed = {i for i in cut if tensors[i].requires_grad}
+                needed = {i: a for i, a in enumerate(_custom_functions.arguments(forward))
+                          if isinstance(a, Tensor) and a.requires_grad
+                          and (hit := self.table.get(id(a))) is not None and hit[0] is a}
         if not needed:
             return
-        if not (self.aliases and isinstance(ctx, torch.autograd.function.BackwardCFunction)):
-            name = getattr(code, "co_qualname", code.co_name)
+        if ctx is None or not self.aliases:
             raise RuntimeError(
                 f"{self.kind}: a parameter it replaces is handed directly to the custom "
                 f"autograd function {name} (torch.autograd.Function.apply does not pass through "
@@ -216,11 +207,11 @@ class _Substitute(TorchFunctionMode):
                 "stop_gradient)."
             )
         done = ctx.__dict__.setdefault("_torchstruct_cut", set())
-        if needed - done:
+        if needed.keys() - done:
             if not done:
-                ctx.register_hook(_drop_gradients(done))
-            done |= needed
-            _save_stand_ins(ctx, {id(tensors[i]): tensors[i] for i in needed})
+                ctx.register_hook(_custom_functions.drop_gradients(done))
+            done.update(needed)
+            _custom_functions.save_stand_ins(ctx, {id(v): v for v in needed.values()})
 
     def _sub_wrapped(self, x):
         """``x`` wraps a tensor for a torch.func transform: replaced (at its level: the
@@ -259,76 +250,6 @@ def _whole_alias(t: Tensor, p: Tensor) -> bool:
     """``t`` sees exactly ``p``'s elements, the same way."""
     return (t.shape == p.shape and t.stride() == p.stride() and t.dtype == p.dtype
             and t.storage_offset() == p.storage_offset())
-
-
-def _apply_inputs(apply_locals: dict) -> tuple:
-    """The arguments of a running ``Function.apply`` in the order of its node's inputs:
-    keyword arguments are bound to the forward's parameters by name, after the positional
-    ones."""
-    args, kwargs = apply_locals.get("args", ()), apply_locals.get("kwargs")
-    if not kwargs:
-        return args
-    try:
-        names = list(inspect.signature(apply_locals["cls"].forward).parameters)
-    except (KeyError, TypeError, ValueError):
-        return tuple(args) + tuple(kwargs.values())
-    if not _is_setup_context_defined(apply_locals["cls"].setup_context):
-        names = names[1:]  # ctx
-    return tuple(args) + tuple(kwargs[n] for n in names[len(args):] if n in kwargs)
-
-
-def _is_pack_hook(frame) -> bool:
-    """Whether ``frame`` runs the saved-tensor pack hook in force (``apply`` calls it after
-    the forward, to pack what the forward saved: non-reentrant checkpointing, offloading)."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooks = top(False) if top is not None else None
-    return bool(hooks) and getattr(hooks[0], "__code__", None) is frame.f_code
-
-
-def _first_argument(frame):
-    """The first argument the function running in ``frame`` was called with (a custom
-    function's ``ctx``), also through a decorator taking ``*args`` (``torch.amp.custom_fwd``),
-    or None."""
-    code = frame.f_code
-    if code.co_argcount:
-        return frame.f_locals.get(code.co_varnames[0])
-    if code.co_flags & inspect.CO_VARARGS:
-        star = frame.f_locals.get(code.co_varnames[code.co_kwonlyargcount])
-        if isinstance(star, tuple) and star:
-            return star[0]
-    return None
-
-
-def _save_stand_ins(ctx, blocked: dict[int, Tensor]) -> None:
-    """What custom function node ``ctx`` saves of a ``blocked`` parameter (by
-    ``ctx.save_for_backward``, before or after now) is its ``.detach()`` alias: the same
-    memory and version counter, so the backward computes the same values, but a backward run
-    with ``create_graph=True`` builds no graph back to the parameter (a second derivative
-    gives it nothing, as with the parameter detached by hand)."""
-    table = ctx.__dict__.setdefault("_torchstruct_saved", {})
-    table.update(blocked)
-
-    def swap(tensors):
-        return tuple(t.detach() if isinstance(t, Tensor) and table.get(id(t)) is t else t
-                     for t in tensors)
-
-    saved = getattr(ctx, "to_save", None)
-    if saved:
-        ctx.to_save = swap(saved)
-    if "save_for_backward" not in ctx.__dict__:
-        node, save = weakref.ref(ctx), type(ctx).save_for_backward
-        ctx.save_for_backward = lambda *tensors: save(node(), *swap(tensors))
-
-
-def _drop_gradients(positions: set[int]):
-    """A post hook for a custom function's backward node: no gradient for the inputs at
-    ``positions`` (their edges get nothing, as if they had been detached)."""
-    def hook(grad_inputs, _grad_outputs):
-        return tuple(None if i in positions else g for i, g in enumerate(grad_inputs))
-    return hook
-
-
-_FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 
 
 def _checkpoint_frames(frame) -> list:
