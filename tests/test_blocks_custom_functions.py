@@ -180,3 +180,77 @@ def test_a_refusal_leaves_no_gradient_and_the_block_usable():
             norm(torch.randn(2, 6))
         assert torch.equal(norm.weight * 1, torch.ones(6))  # still swapped
     assert norm.weight.grad is None and norm.weight.requires_grad
+
+
+# ------------------------------------------------------------ finding the function's forward
+def test_a_function_class_defined_inside_the_block_is_found():
+    """The forwards are indexed from the live subclasses of torch.autograd.Function; a class
+    defined after the index was read (inside the block, after other calls) is found too."""
+    norm = FusedRMSNorm(6)
+    x = torch.randn(2, 6, requires_grad=True)
+    with ts.stop_gradient(norm):
+        RMSNormFn.apply(x, norm.weight, 1e-6).sum().backward()  # the index is read here
+
+        class Late(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, a, w):
+                return a * w.contiguous()
+
+            @staticmethod
+            def backward(ctx, g):
+                return g, g.sum(0)
+
+        Late.apply(x, norm.weight).sum().backward()
+    assert norm.weight.grad is None
+    Late.apply(x, norm.weight).sum().backward()  # outside: the gradient arrives
+    assert norm.weight.grad is not None
+
+
+def test_a_forward_that_rebinds_its_argument_is_cut_by_the_node_s_edges():
+    class Rebinds(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, w):
+            w = w.contiguous() * 1.0  # the name no longer holds the parameter
+            ctx.save_for_backward(w)
+            return a * w
+
+        @staticmethod
+        def backward(ctx, g):
+            (w,) = ctx.saved_tensors
+            return g * w, g.sum(0)
+
+    norm = FusedRMSNorm(6)
+    x = torch.randn(2, 6, requires_grad=True)
+    with ts.stop_gradient(norm):
+        Rebinds.apply(x, norm.weight).sum().backward()
+    assert norm.weight.grad is None
+    torch.testing.assert_close(x.grad, norm.weight.detach().expand(2, 6))
+
+
+def test_a_forward_without_ctx_called_by_keyword_is_refused():
+    lin = nn.Linear(2, 2)
+    with ts.stop_gradient(lin, "bias"):
+        with pytest.raises(RuntimeError, match=r"SetupContextFn\.forward.*takes no ctx"):
+            SetupContextFn.apply(torch.ones(2), w=lin.bias)
+    assert lin.bias.grad is None
+
+
+def test_the_index_is_read_again_only_for_code_not_seen_before(monkeypatch):
+    from torchstruct import _custom_functions
+
+    reads = []
+    real = _custom_functions._index
+    monkeypatch.setattr(_custom_functions, "_index", lambda: (reads.append(1), real())[1])
+    net = Net()
+
+    def step():
+        with ts.stop_gradient(net, "norm"), torch.no_grad():
+            net(X)
+        with ts.stop_gradient(net, "norm"):
+            net(X).sum().backward()
+
+    step()
+    step()
+    first = len(reads)
+    step()
+    assert len(reads) == first  # the same code: classified already
