@@ -200,11 +200,12 @@ def extensions():
     import torch
 
     # before torch.utils.cpp_extension is imported: it reads CUDA_HOME once, at import
-    top = _nvccs_toolkit(os.environ) if torch.version.cuda else None
+    top = (_nvccs_toolkit(os.environ)
+           if torch.version.cuda and not _flag("TORCHSTRUCT_NO_CUDA") else None)
     if top is not None:
         os.environ["CUDA_HOME"] = top
-        print(f"torchstruct: the nvcc on PATH runs the CUDA toolkit in {top}; building with "
-              f"CUDA_HOME={top}", file=sys.stderr)
+        print(f"torchstruct: the nvcc on PATH belongs to the CUDA toolkit in {top}; CUDA_HOME "
+              f"set to it", file=sys.stderr)
     from torch.utils import cpp_extension
 
     with_cuda, reason = _cuda_decision(**_cuda_facts(torch, cpp_extension))
