@@ -1,5 +1,28 @@
 """What a suspicious user compares: the flags PyTorch sees and torchstruct's reads."""
+import torch
+
 import torchstruct as ts
+
+
+def _apply_takes_keywords() -> bool:
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b=None):
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    try:
+        Probe.apply(torch.ones(1), b=None)
+    except TypeError:  # torch 2.4: "apply() takes no keyword arguments"
+        return False
+    return True
+
+
+APPLY_TAKES_KEYWORDS = _apply_takes_keywords()
+"""Whether ``torch.autograd.Function.apply`` accepts keyword arguments (newer torch)."""
 
 
 def flags(m):
