@@ -1,4 +1,5 @@
 """What a suspicious user compares: the flags PyTorch sees and torchstruct's reads."""
+import pytest
 import torch
 
 import torchstruct as ts
@@ -23,6 +24,21 @@ def _apply_takes_keywords() -> bool:
 
 APPLY_TAKES_KEYWORDS = _apply_takes_keywords()
 """Whether ``torch.autograd.Function.apply`` accepts keyword arguments (newer torch)."""
+
+
+def _optim_takes_names() -> bool:
+    try:
+        torch.optim.SGD([("w", torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
+    except TypeError:  # before torch 2.6: "optimizer can only optimize Tensors"
+        return False
+    return True
+
+
+OPTIM_TAKES_NAMES = _optim_takes_names()
+"""Whether ``torch.optim`` optimizers take ``named_parameters()`` (torch >= 2.6)."""
+
+NEEDS_NAMED_OPTIM = pytest.mark.skipif(
+    not OPTIM_TAKES_NAMES, reason="torch.optim takes named parameters from torch 2.6 on")
 
 
 def flags(m):

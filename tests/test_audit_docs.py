@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from _flags import NEEDS_NAMED_OPTIM
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 README = DOCS.parent / "README.md"
@@ -1400,6 +1401,7 @@ def test_optim_tied_stepped_once():
     torch.testing.assert_close(t.emb.weight.detach(), expected)
 
 
+@NEEDS_NAMED_OPTIM
 def test_optim_masks_by_path_and_set_mask_none():
     # "Param groups that carry `param_names` (`ts.param_groups`, or `named_parameters()` given
     # to the optimizer) let masks be keyed by path"; "`set_mask(param, mask)` sets or (with

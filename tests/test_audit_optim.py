@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from _flags import NEEDS_NAMED_OPTIM
 
 INF = float("inf")
 NAN = float("nan")
@@ -573,6 +574,7 @@ def test_masked_in_elements_follow_torch(backend, cls, options):
     assert same_bits(p.detach()[~mask], start[~mask])
 
 
+@NEEDS_NAMED_OPTIM
 def test_mask_errors_change_nothing(backend):
     torch.manual_seed(0)
     m = nn.Linear(3, 2)

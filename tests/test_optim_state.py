@@ -9,6 +9,7 @@ from torch import nn
 
 import torchstruct as ts
 import torchstruct.optim as tso
+from _flags import NEEDS_NAMED_OPTIM
 
 KINDS = {"adamw": (tso.AdamW, dict(lr=0.05, weight_decay=0.1)),
          "sgd": (tso.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.1))}
@@ -66,6 +67,7 @@ def test_resume_needs_no_masks_and_is_bitwise(kind):
     assert torch.equal(resumed[0].weight[:7], make()[0].weight[:7])  # masked rows untouched
 
 
+@NEEDS_NAMED_OPTIM
 def test_masks_keyed_by_path_with_named_groups():
     model = make()
     opt = tso.AdamW(ts.param_groups(model), masks={"0.weight": rows_mask(model)})
