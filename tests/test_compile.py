@@ -271,3 +271,88 @@ def test_a_change_to_another_model_does_not_make_compiled_code_retrace():
         step(torch.randn(2, 3))
     assert len(graphs) == settled
     assert other[1].weight.requires_grad  # and nothing was applied to it from m's forward
+
+
+# ------------------------------------------- torch before 2.12: graphs kept after flags change
+def _torch_before_2_12():
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    return (major, minor) < (2, 12)
+
+
+def test_the_stale_graph_warning_is_armed_exactly_on_torch_before_2_12():
+    from torchstruct import hooks
+
+    assert hooks._STALE_GRAPHS is _torch_before_2_12()
+
+
+def test_compiled_code_sees_a_flag_changed_between_calls():
+    """What the warning is about, on this torch: a graph compiled with the parameter requiring
+    grad must not run on once it is frozen (pytorch/pytorch#139476, before torch 2.12)."""
+    torch._dynamo.reset()
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            y = self.w * x
+            return y * 2 if y.requires_grad else y * 3
+
+    m = M()
+    cm = torch.compile(m, fullgraph=True, backend="aot_eager")
+    x = torch.ones(3)
+    first = cm(x)[0].item()
+    with ts.freeze(m):
+        frozen = cm(x)[0].item()
+    again = cm(x)[0].item()
+    if _torch_before_2_12():
+        pytest.xfail("torch before 2.12 keeps the graph compiled for the old flags")
+    assert (first, frozen, again) == (2.0, 3.0, 2.0)
+
+
+def _graphs():
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def test_torch_before_2_12_warns_once_when_flags_change_after_compiling(monkeypatch):
+    import warnings
+
+    from torchstruct import hooks
+
+    monkeypatch.setattr(hooks, "_STALE_GRAPHS", True)  # as on torch before 2.12
+    monkeypatch.setattr(hooks, "_stale_warned", False)
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(counters["stats"], "unique_graphs", 0)
+    m = nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ts.freeze(m, "bias"):  # nothing compiled in this process (as counted): quiet
+            pass
+    torch._dynamo.reset()
+    torch.compile(nn.Linear(2, 2), backend="aot_eager")(torch.ones(2))
+    assert _graphs() > 0
+    with pytest.warns(RuntimeWarning, match=r"139476.*torch._dynamo.reset\(\)"):
+        ts.freeze(m, "weight")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        ts.unfreeze(m, "weight")
+        with ts.freeze(m):
+            pass
+    assert [p.requires_grad for p in m.parameters()] == [True, True]
+
+
+def test_no_stale_graph_warning_on_this_torch_when_it_guards_the_flags():
+    import warnings
+
+    if _torch_before_2_12():
+        pytest.skip("this torch does not guard the flags")
+    torch.compile(nn.Linear(2, 2), backend="aot_eager")(torch.ones(2))
+    m = nn.Linear(2, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ts.freeze(m):
+            pass
