@@ -491,12 +491,27 @@ def test_hf_gpt2_tied_head_and_reentrant_gradient_checkpointing_match_backward(h
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             g = flat(ts.structural_grad(m, lm_loss))
-            h1 = flat(ts.structural_grad(m, lm_loss, wrt="transformer.h.1"))
+            try:
+                h1 = flat(ts.structural_grad(m, lm_loss, wrt="transformer.h.1"))
+            except ValueError as err:  # transformers < 5: the checkpoint's input as it is
+                assert reentrant and "none of whose inputs requires grad" in str(err), err
+                h1 = None
             assert all(p.grad is None for p in m.parameters())
             lm_loss(m).backward()
         assert all(torch.equal(g[n], p.grad) for n, p in m.named_parameters())
-        assert len(h1) == 12 and all(torch.equal(h1[n], p.grad) for n, p in m.named_parameters()
-                                     if n in h1)
+        if h1 is None:  # the refusal is right: by hand, .backward() misses the layer too
+            ref = copy.deepcopy(m)
+            for n, p in ref.named_parameters():
+                p.requires_grad_(n.startswith("transformer.h.1."))
+                p.grad = None
+            loss = lm_loss(ref)
+            if loss.requires_grad:
+                loss.backward()
+            assert any(p.grad is None for n, p in ref.named_parameters()
+                       if n.startswith("transformer.h.1."))
+        else:
+            assert len(h1) == 12 and all(torch.equal(h1[n], p.grad)
+                                         for n, p in m.named_parameters() if n in h1)
         m.gradient_checkpointing_disable()
 
 
