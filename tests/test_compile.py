@@ -280,9 +280,9 @@ def _torch_before_2_12():
 
 
 def test_the_stale_graph_warning_is_armed_exactly_on_torch_before_2_12():
-    from torchstruct import hooks
+    from torchstruct import _compile_caveats
 
-    assert hooks._STALE_GRAPHS is _torch_before_2_12()
+    assert _compile_caveats.STALE is _torch_before_2_12()
 
 
 def test_compiled_code_sees_a_flag_changed_between_calls():
@@ -320,10 +320,10 @@ def _graphs():
 def test_torch_before_2_12_warns_once_when_flags_change_after_compiling(monkeypatch):
     import warnings
 
-    from torchstruct import hooks
+    from torchstruct import _compile_caveats
 
-    monkeypatch.setattr(hooks, "_STALE_GRAPHS", True)  # as on torch before 2.12
-    monkeypatch.setattr(hooks, "_stale_warned", False)
+    monkeypatch.setattr(_compile_caveats, "STALE", True)  # as on torch before 2.12
+    monkeypatch.setattr(_compile_caveats, "_warned", False)
     from torch._dynamo.utils import counters
 
     monkeypatch.setitem(counters["stats"], "unique_graphs", 0)
@@ -335,14 +335,27 @@ def test_torch_before_2_12_warns_once_when_flags_change_after_compiling(monkeypa
     torch._dynamo.reset()
     torch.compile(nn.Linear(2, 2), backend="aot_eager")(torch.ones(2))
     assert _graphs() > 0
-    with pytest.warns(RuntimeWarning, match=r"139476.*torch._dynamo.reset\(\)"):
+    with pytest.warns(RuntimeWarning, match=r"139476.*torch._dynamo.reset\(\)") as seen:
         ts.freeze(m, "weight")
+    assert seen[0].filename == __file__  # points at the user's call
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
         ts.unfreeze(m, "weight")
         with ts.freeze(m):
             pass
     assert [p.requires_grad for p in m.parameters()] == [True, True]
+
+
+def test_entering_constant_warns_too_on_torch_before_2_12(monkeypatch):
+    from torchstruct import _compile_caveats
+
+    monkeypatch.setattr(_compile_caveats, "STALE", True)
+    monkeypatch.setattr(_compile_caveats, "_warned", False)
+    torch.compile(nn.Linear(2, 2), backend="aot_eager")(torch.ones(2))
+    m = nn.Linear(2, 2)
+    with pytest.warns(RuntimeWarning, match="ts.constant"):
+        with ts.constant(m):
+            pass
 
 
 def test_no_stale_graph_warning_on_this_torch_when_it_guards_the_flags():

@@ -49,7 +49,7 @@ from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from . import _custom_functions, _state
+from . import _compile_caveats, _custom_functions, _state
 from ._ops import run_eagerly
 from ._reference import _place
 from .contexts import _Context
@@ -674,6 +674,7 @@ class constant(_Context):
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
         protected = [(path, p) for path, p in chosen if p.numel() or p.layout != torch.strided]
         mode, rebind = _Guard(protected), _RefuseRebind(chosen)
+        _compile_caveats.warn_once()
         rebind.__enter__()
         mode.__enter__()
         self._mode, self._rebind = mode, rebind
@@ -691,3 +692,4 @@ class constant(_Context):
             )
         self._mode.__exit__(None, None, None)
         _leave(self, self._rebind)
+        _compile_caveats.warn_once()  # code compiled inside the block, unseen there

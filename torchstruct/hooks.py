@@ -21,8 +21,6 @@ also what ``torch.jit.script`` needs.
 """
 from __future__ import annotations
 
-import sys
-import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -31,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.modules.batchnorm import _NormBase
 
-from . import _state
+from . import _compile_caveats, _state
 from .declare import effective
 
 __all__ = ["attach", "detach_hooks"]
@@ -108,7 +106,7 @@ class State:
                     p.requires_grad_(flag)
                 members[id(p)] = _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
             if changes:
-                _warn_stale_graphs()
+                _compile_caveats.warn_once()
             self._release_leavers(members)
             self.members = members
             self.last = {
@@ -230,33 +228,6 @@ class State:
             if held is None or held[0]() is not mod:  # a hold begins: what it keeps, from now
                 _state.frozen_norms[key] = (weakref.ref(mod), getattr(mod, "momentum", None),
                                             _stats_version(mod))
-
-
-# torch.compile before torch 2.12 does not guard the requires_grad of a module's parameters
-# (pytorch/pytorch#139476): a graph compiled for one trainable set runs on after the flags change
-_STALE_GRAPHS = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
-_stale_warned = False
-
-
-def _warn_stale_graphs() -> None:
-    """Flags just changed: on a torch whose compiled code keeps graphs made for older flags,
-    warn once per process, when the process has compiled a graph."""
-    global _stale_warned
-    dynamo = sys.modules.get("torch._dynamo.utils")
-    if not _STALE_GRAPHS or _stale_warned or dynamo is None:
-        return
-    if not dynamo.counters["stats"]["unique_graphs"]:
-        return
-    _stale_warned = True
-    warnings.warn(
-        f"torchstruct changed requires_grad in a process that has run torch.compile, and torch "
-        f"{torch.__version__} can keep running a graph compiled before the change (its guards "
-        "do not check the flags of a module's parameters: pytorch/pytorch#139476, fixed in "
-        "torch 2.12). A compiled model or step may then compute gradients for the old "
-        "trainable set, so frozen weights can still move, and a module added after compiling "
-        "gets none. Call torch._dynamo.reset() after changing what trains, compile only code "
-        "whose trainable set does not change, or use torch >= 2.12.",
-        RuntimeWarning, stacklevel=2)
 
 
 def _opted_out(root: nn.Module | None) -> set[int]:

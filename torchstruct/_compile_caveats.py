@@ -1,0 +1,61 @@
+"""What ``torch.compile`` before torch 2.12 gets wrong that torchstruct cannot mend, said once.
+
+- Its guards do not check the ``requires_grad`` of a module's parameters
+  (pytorch/pytorch#139476, fixed in torch 2.12): a graph compiled for one trainable set keeps
+  running after the flags change (gradients for frozen weights; none for a module added after
+  compiling). Plain PyTorch 2.4.1 and 2.11.0 do this; 2.12.0 and later recompile.
+- On older releases (2.4.1 seen), compiled code runs under a torch dispatch mode without
+  passing its operations through it, and an inductor kernel writes a parameter without
+  bumping its version counter: ``ts.constant`` does not see such a write. 2.11.0 and later
+  leave compiled code out while a dispatch mode is active.
+
+:func:`warn_once` is called where torchstruct changes a flag and where ``ts.constant`` is
+entered: on such a torch, in a process that has compiled a graph, it warns once.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+__all__ = ["STALE", "warn_once"]
+
+STALE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+_warned = False
+
+
+def _compiled_something() -> bool:
+    utils = sys.modules.get("torch._dynamo.utils")
+    return utils is not None and bool(utils.counters["stats"]["unique_graphs"])
+
+
+def warn_once() -> None:
+    """Warn (``RuntimeWarning``, once per process) when this torch is one of those above and
+    the process has compiled a graph."""
+    global _warned
+    if not STALE or _warned or not _compiled_something():
+        return
+    _warned = True
+    warnings.warn(
+        f"torchstruct under torch.compile needs torch >= 2.12, and this process runs compiled "
+        f"code on torch {torch.__version__}: its graphs keep the requires_grad flags they were "
+        "compiled with (pytorch/pytorch#139476), so after torchstruct changes what trains a "
+        "compiled model or step may compute gradients for the old trainable set (frozen "
+        "weights can still move; a module added after compiling gets none), and on older "
+        "releases (2.4 seen) an inductor kernel's write to a parameter is not seen by "
+        "ts.constant. Call torch._dynamo.reset() after changing what trains, keep compiled "
+        "code out of ts.constant blocks, or use torch >= 2.12.",
+        RuntimeWarning, stacklevel=_outside_torchstruct())
+
+
+def _outside_torchstruct() -> int:
+    """The ``stacklevel`` of the first caller outside torchstruct and torch (from
+    ``warn_once``; torch's frames are those of ``torch.compiler.disable`` wrappers)."""
+    ours = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                 for m in (sys.modules[__package__], torch))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and frame.f_code.co_filename.startswith(ours):
+        frame, level = frame.f_back, level + 1
+    return level
