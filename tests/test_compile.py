@@ -283,6 +283,17 @@ def test_the_stale_graph_warning_is_armed_exactly_on_torch_before_2_12():
     from torchstruct import _compile_caveats
 
     assert _compile_caveats.STALE is _torch_before_2_12()
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    assert _compile_caveats.MODES_MISTRACED is ((major, minor) < (2, 13))
+
+
+def test_the_blocks_handler_is_traced_where_dynamo_traces_it_right():
+    """From torch 2.13 dynamo traces the blocks' mode (fullgraph=True holds); before, the
+    handler is wrapped in torch.compiler.disable."""
+    from torchstruct import _compile_caveats, blocks
+
+    wrapped = hasattr(blocks._Substitute.__torch_function__, "__wrapped__")
+    assert wrapped is _compile_caveats.MODES_MISTRACED
 
 
 def test_compiled_code_sees_a_flag_changed_between_calls():

@@ -4,6 +4,12 @@
   (pytorch/pytorch#139476, fixed in torch 2.12): a graph compiled for one trainable set keeps
   running after the flags change (gradients for frozen weights; none for a module added after
   compiling). Plain PyTorch 2.4.1 and 2.11.0 do this; 2.12.0 and later recompile.
+- Dynamo before torch 2.13 traces a torch function mode's handler wrongly: on 2.12.0 a property
+  read passed through a ``stop_gradient`` block's handler returned another value (HF GPT-2's
+  ``input_ids.device`` came back as a ``torch.Size``), and 2.11.0 and 2.12.0 refuse its
+  ``id()`` look-ups. There the blocks' handler is left out of compiled code
+  (:data:`MODES_MISTRACED`): inside a block each operation of compiled code runs eagerly
+  through a graph break, and ``fullgraph=True`` raises.
 - On older releases (2.4.1 seen), compiled code runs under a torch dispatch mode without
   passing its operations through it, and an inductor kernel writes a parameter without
   bumping its version counter: ``ts.constant`` does not see such a write. 2.11.0 and later
@@ -20,9 +26,11 @@ import warnings
 
 import torch
 
-__all__ = ["STALE", "warn_once"]
+__all__ = ["STALE", "MODES_MISTRACED", "warn_once"]
 
-STALE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 12)
+_VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+STALE = _VERSION < (2, 12)
+MODES_MISTRACED = _VERSION < (2, 13)
 _warned = False
 
 

@@ -168,6 +168,9 @@ class _Substitute(TorchFunctionMode):
             self._cut_custom_functions()
         return func(*new_args, **new_kwargs)
 
+    if _compile_caveats.MODES_MISTRACED:  # compiled code runs the handler eagerly
+        __torch_function__ = torch.compiler.disable(__torch_function__)
+
     def _cut_custom_functions(self) -> None:
         """A parameter handed directly to a custom ``torch.autograd.Function`` running now:
         ``apply`` passes through no torch function mode, so the function's backward node has
