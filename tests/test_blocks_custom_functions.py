@@ -18,6 +18,19 @@ import torchstruct as ts
 from _flags import APPLY_TAKES_KEYWORDS
 
 
+@pytest.fixture(autouse=True, params=["apply frame", "forward code"])
+def lookup(request, monkeypatch):
+    """Every test with both ways of finding the running forward: the frame Function.apply
+    called (where apply is Python) and the forward's code (where apply is C++, torch 2.14)."""
+    from torchstruct import _custom_functions
+
+    if request.param == "apply frame" and _custom_functions._APPLY is None:
+        pytest.skip("Function.apply is C++ in this torch")
+    if request.param == "forward code":
+        monkeypatch.setattr(_custom_functions, "_APPLY", None)
+    return request.param
+
+
 class RMSNormFn(torch.autograd.Function):
     """A fused-style RMSNorm: the weight handed in directly, the backward written by hand."""
 
@@ -237,8 +250,11 @@ def test_a_forward_without_ctx_called_by_keyword_is_refused():
     assert lin.bias.grad is None
 
 
-def test_the_index_is_read_again_only_for_code_not_seen_before(monkeypatch):
+def test_the_index_is_read_again_only_for_code_not_seen_before(monkeypatch, lookup):
     from torchstruct import _custom_functions
+
+    if lookup != "forward code":
+        pytest.skip("the index is read only where the forward is found by its code")
 
     reads = []
     real = _custom_functions._index
@@ -251,8 +267,44 @@ def test_the_index_is_read_again_only_for_code_not_seen_before(monkeypatch):
         with ts.stop_gradient(net, "norm"):
             net(X).sum().backward()
 
+    _custom_functions._OTHERS.clear()  # forget what was classified: the first step reads
     step()
+    assert reads  # the index was read
     step()
     first = len(reads)
     step()
     assert len(reads) == first  # the same code: classified already
+
+
+class AmpScaled(torch.autograd.Function):
+    """forward/backward under torch.amp.custom_fwd / custom_bwd (a decorator taking *args)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, a, w):
+        ctx.save_for_backward(a, w)
+        return a * w.contiguous()
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, g):
+        a, w = ctx.saved_tensors
+        return g * w, (g * a).sum(0)
+
+
+def test_a_decorated_forward_is_found_and_cut():
+    norm = FusedRMSNorm(6)
+    x = torch.randn(2, 6, requires_grad=True)
+    with ts.stop_gradient(norm):
+        AmpScaled.apply(x, norm.weight).sum().backward()
+    assert norm.weight.grad is None
+    torch.testing.assert_close(x.grad, norm.weight.detach().expand(2, 6))
+    AmpScaled.apply(x, norm.weight).sum().backward()
+    assert norm.weight.grad is not None
+
+
+def test_a_decorated_forward_under_swap_is_refused_naming_it():
+    norm = FusedRMSNorm(6)
+    with ts.swap(norm, {"weight": torch.ones(6)}):
+        with pytest.raises(RuntimeError, match=r"swap: .*AmpScaled\.forward"):
+            AmpScaled.apply(torch.randn(2, 6), norm.weight)

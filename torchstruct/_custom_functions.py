@@ -4,18 +4,20 @@
 directly to ``MyFunction.apply`` is an input of the function's backward node, whatever a
 ``stop_gradient`` / ``swap`` block does to the operations of its forward. A block finds such
 a function while its forward runs (the forward's operations see the stand-in) by walking the
-stack for the frame of a custom function's ``forward``.
+stack for the frame of a custom function's ``forward``:
 
-The frame is told by its code: the code of every ``forward`` defined on a subclass of
-``torch.autograd.Function`` (the innermost function under decorators that keep
-``__wrapped__``, such as ``torch.amp.custom_fwd``), indexed from the live subclasses. The
-index is read again only when the stack holds a code it has not classified yet, so a steady
-loop costs a dictionary look-up per frame. This needs no Python frame of ``apply`` itself
-(torch 2.14 implements ``apply`` in C++).
-
-A function defined as a plain function, run once as such inside a block, and only later made
-the ``forward`` of a new ``Function`` subclass is not recognized (its code was classified
-before the class existed).
+- where ``apply`` is Python (torch before 2.14), the frame ``apply`` called, with the
+  arguments ``apply`` was given: ``apply`` is never compiled by dynamo, so this holds also
+  when dynamo runs the forward's frame with code of its own (a graph break inside it);
+- where ``apply`` is C++ (torch 2.14), the frame running the code of a ``forward`` defined on
+  a subclass of ``torch.autograd.Function`` (the innermost function under decorators that keep
+  ``__wrapped__``, such as ``torch.amp.custom_fwd``), matched by file, first line and name (so
+  a frame dynamo runs with code of its own matches too), with the arguments that frame holds.
+  The forwards are indexed from the live subclasses, read again only when the stack holds code
+  not classified yet, so a steady loop costs a dictionary look-up per frame. A function run as
+  a plain function inside a block before it became the ``forward`` of a class defined later
+  is not recognized (its code was classified first); nor is the rest of a forward that dynamo
+  resumes in a function of its own after a graph break.
 """
 from __future__ import annotations
 
@@ -30,10 +32,21 @@ from torch.autograd.function import _is_setup_context_defined
 __all__ = ["running_forwards", "first_argument", "arguments", "save_stand_ins",
            "drop_gradients"]
 
-# code of a custom function's forward -> (qualified name, whether it takes ctx first)
+# the code of Function.apply where it is Python; None where it is C++ (torch 2.14)
+_APPLY = getattr(getattr(torch.autograd.Function.apply, "__func__", None), "__code__", None)
+
+# (file, first line, name) of a custom function's forward -> (qualified name, takes ctx)
 _FORWARDS: dict = {}
-_OTHERS: set = set()  # codes seen on the stack that are no custom function's forward
+_OTHERS: set = set()  # keys seen on the stack that are no custom function's forward
 _LOCK = threading.Lock()
+
+
+def _key(code) -> tuple:
+    return code.co_filename, code.co_firstlineno, code.co_name
+
+
+def _describe(cls) -> tuple:
+    return f"{cls.__qualname__}.forward", not _is_setup_context_defined(cls.setup_context)
 
 
 def _innermost(fn):
@@ -55,23 +68,58 @@ def _index() -> None:
                 stack.append(sub)
         forward = cls.__dict__.get("forward")
         code = getattr(_innermost(getattr(forward, "__func__", forward)), "__code__", None)
-        if code is not None and code not in _FORWARDS:
-            name = f"{cls.__qualname__}.forward"
-            _FORWARDS[code] = (name, not _is_setup_context_defined(cls.setup_context))
+        if code is not None and _key(code) not in _FORWARDS:
+            _FORWARDS[_key(code)] = _describe(cls)
 
 
 def running_forwards(frame) -> list:
-    """``(frame, name, takes ctx)`` of every custom function's forward running in ``frame``
-    or the frames it was called from, innermost first."""
+    """``(frame, name, takes ctx, inputs)`` of every custom function's forward running in
+    ``frame`` or the frames it was called from, innermost first; ``inputs``: its arguments
+    after ``ctx``, in the order of the node's inputs."""
     frames = []
     while frame is not None:
         frames.append(frame)
         frame = frame.f_back
+    if _APPLY is not None:
+        return [(f, *_describe(c.f_locals.get("cls")), _apply_inputs(c.f_locals))
+                for f, c in zip(frames, frames[1:])
+                if c.f_code is _APPLY and not _is_pack_hook(f)
+                and isinstance(c.f_locals.get("cls"), type)]
     with _LOCK:
-        if any(f.f_code not in _FORWARDS and f.f_code not in _OTHERS for f in frames):
+        keys = [_key(f.f_code) for f in frames]
+        if any(k not in _FORWARDS and k not in _OTHERS for k in keys):
             _index()
-            _OTHERS.update(f.f_code for f in frames if f.f_code not in _FORWARDS)
-        return [(f, *_FORWARDS[f.f_code]) for f in frames if f.f_code in _FORWARDS]
+            _OTHERS.update(k for k in keys if k not in _FORWARDS)
+        out = []
+        for f, k in zip(frames, keys):
+            if k in _FORWARDS:
+                name, takes_ctx = _FORWARDS[k]
+                out.append((f, name, takes_ctx, arguments(f)[1 if takes_ctx else 0:]))
+        return out
+
+
+def _apply_inputs(apply_locals: dict) -> tuple:
+    """The arguments of a running ``Function.apply`` in the order of its node's inputs:
+    keyword arguments are bound to the forward's parameters by name, after the positional
+    ones."""
+    args, kwargs = apply_locals.get("args", ()), apply_locals.get("kwargs")
+    if not kwargs:
+        return tuple(args)
+    try:
+        names = list(inspect.signature(apply_locals["cls"].forward).parameters)
+    except (KeyError, TypeError, ValueError):
+        return tuple(args) + tuple(kwargs.values())
+    if not _is_setup_context_defined(apply_locals["cls"].setup_context):
+        names = names[1:]  # ctx
+    return tuple(args) + tuple(kwargs[n] for n in names[len(args):] if n in kwargs)
+
+
+def _is_pack_hook(frame) -> bool:
+    """Whether ``frame`` runs the saved-tensor pack hook in force (``apply`` calls it after
+    the forward, to pack what the forward saved: non-reentrant checkpointing, offloading)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    return bool(hooks) and getattr(hooks[0], "__code__", None) is frame.f_code
 
 
 def first_argument(frame):

@@ -38,10 +38,12 @@ through its dispatch mode as well.
 from __future__ import annotations
 
 import bisect
+import os
 import sys
 from collections.abc import Callable
 
 import torch
+import torch._dynamo
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch._C import _functorch
@@ -147,7 +149,7 @@ class _Substitute(TorchFunctionMode):
             # replaces the dual's uses instead (see _sub_wrapped). Outside torch.func, a dual
             # made from the parameter is made from its stand-in
             return func(*args, **kwargs)
-        if name == "requires_grad" and sys._getframe(1).f_code in _COPYING:
+        if name == "requires_grad" and _caller(sys._getframe(1)).f_code in _COPYING:
             return func(*args, **kwargs)  # a copy or a save of the parameter: its own flag
         # inside torch.func transforms, the parameters may come wrapped (grad over
         # functional_call(model, dict(model.named_parameters()))); the transform's own
@@ -179,10 +181,11 @@ class _Substitute(TorchFunctionMode):
         node's gradient for the parameter is cut (a hook on the node; the stand-in aliases the
         parameter, so everything else the node saved is the same), which is exact. Anywhere
         else it is refused."""
-        for frame, name, takes_ctx in _custom_functions.running_forwards(sys._getframe(2)):
-            self._cut(frame, name, takes_ctx)
+        for frame, name, takes_ctx, inputs in _custom_functions.running_forwards(
+                sys._getframe(2)):
+            self._cut(frame, name, takes_ctx, inputs)
 
-    def _cut(self, forward, name: str, takes_ctx: bool) -> None:
+    def _cut(self, forward, name: str, takes_ctx: bool, inputs) -> None:
         ctx = _custom_functions.first_argument(forward) if takes_ctx else None
         if isinstance(ctx, torch.autograd.function.BackwardCFunction):
             # the node's edges, one per tensor input (empty when apply records nothing,
@@ -192,7 +195,7 @@ class _Substitute(TorchFunctionMode):
                       and (hit := self.table.get(id(v))) is not None and hit[0] is v}
         else:  # a forward without ctx (setup_context): whether apply records is not known
             with torch._C.DisableTorchFunction():
-                needed = {i: a for i, a in enumerate(_custom_functions.arguments(forward))
+                needed = {i: a for i, a in enumerate(inputs)
                           if isinstance(a, Tensor) and a.requires_grad
                           and (hit := self.table.get(id(a))) is not None and hit[0] is a}
         if not needed:
@@ -247,6 +250,17 @@ class _Substitute(TorchFunctionMode):
                     "the block: its backward recomputes the function after the block has "
                     "exited, without the replacement, so the gradients would be wrong. Enter the "
                     "block inside the checkpointed function, or use use_reentrant=False")
+
+
+_DYNAMO = os.path.dirname(torch._dynamo.__file__) + os.sep
+
+
+def _caller(frame):
+    """``frame``, or the first frame out of it that is not dynamo's (the wrapper of the
+    handler under ``torch.compiler.disable``, before torch 2.13)."""
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_DYNAMO):
+        frame = frame.f_back
+    return frame
 
 
 def _whole_alias(t: Tensor, p: Tensor) -> bool:
