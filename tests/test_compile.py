@@ -380,3 +380,21 @@ def test_no_stale_graph_warning_on_this_torch_when_it_guards_the_flags():
         warnings.simplefilter("error")
         with ts.freeze(m):
             pass
+
+
+def test_before_2_13_fullgraph_inside_a_block_raises_and_without_it_the_results_are_exact():
+    from torchstruct._compile_caveats import MODES_MISTRACED
+
+    if not MODES_MISTRACED:
+        pytest.skip("dynamo traces the blocks' mode here (fullgraph=True holds inside blocks)")
+    torch.manual_seed(0)
+    m, x = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1)), torch.randn(4, 3)
+    torch._dynamo.reset()
+    strict = torch.compile(m, backend="aot_eager", fullgraph=True)
+    with ts.stop_gradient(m, "0"):
+        with pytest.raises(Exception, match="disable"):
+            strict(x)
+    loose = torch.compile(m, backend="aot_eager")
+    with ts.stop_gradient(m, "0"):
+        loose(x).sum().backward()
+    assert m[0].weight.grad is None and m[2].weight.grad is not None

@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from torchstruct._compile_caveats import MODES_MISTRACED
 
-# dynamo traces an active TorchFunctionMode (needed for fullgraph=True inside a block) from 2.5 on
+# dynamo traces an active block's mode right (needed for fullgraph=True inside a block) from
+# torch 2.13 on; before, the blocks' handler is left out of compiled code (test_compile.py)
 TRACEABLE_MODES = pytest.mark.skipif(
-    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5),
-    reason="dynamo traces torch function modes from torch 2.5",
-)
+    MODES_MISTRACED, reason="dynamo traces the blocks' mode right from torch 2.13")
 
 
 def snapshot(m):
