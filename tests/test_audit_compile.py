@@ -553,6 +553,13 @@ def test_a_compiled_model_with_activation_checkpointing_inside_contexts_and_bloc
     m.zero_grad(set_to_none=True)
     with ts.stop_gradient(m, "b"):
         out = cm(x).sum()
+    if MODES_MISTRACED:
+        # before torch 2.13 the block's handler is left out of compiled code: the forward ran
+        # its operations eagerly, the recompute (after the block) compiled: checkpoint's own
+        # check refuses the mismatch (a loud error; autograd may have written some .grad first)
+        with pytest.raises(torch.utils.checkpoint.CheckpointError):
+            out.backward()
+        return
     out.backward()
     ref = copy.deepcopy(m)
     h = torch.tanh(_linear(torch.tanh(ref.a(x)), ref.b, blocked=True))
