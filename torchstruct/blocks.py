@@ -200,7 +200,7 @@ class _Substitute(TorchFunctionMode):
                           and (hit := self.table.get(id(a))) is not None and hit[0] is a}
         if not needed:
             return
-        if ctx is None or not self.aliases:
+        if not (self.aliases and isinstance(ctx, torch.autograd.function.BackwardCFunction)):
             raise RuntimeError(
                 f"{self.kind}: a parameter it replaces is handed directly to the custom "
                 f"autograd function {name} (torch.autograd.Function.apply does not pass through "
