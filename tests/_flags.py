@@ -50,3 +50,15 @@ def reads(m):
     """The same list as torchstruct reads it (``ts.trainable_parameters``)."""
     said = {id(p) for _, p in ts.trainable_parameters(m)}
     return [id(p) in said for p in m.parameters()]
+
+
+def _stale_graphs_mark():
+    from torchstruct._compile_caveats import STALE
+
+    return pytest.mark.xfail(STALE, strict=False, reason=(
+        "torch before 2.12 keeps running graphs compiled for other requires_grad flags "
+        "(pytorch/pytorch#139476, plain PyTorch as well); torchstruct warns once"))
+
+
+STALE_GRAPHS = _stale_graphs_mark()
+"""xfail on torch before 2.12 only: a compiled model whose trainable set changes."""

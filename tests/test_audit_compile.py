@@ -27,6 +27,7 @@ from torch._dynamo.utils import counters
 from torch.autograd import forward_ad as fwad
 
 import torchstruct as ts
+from _flags import STALE_GRAPHS
 from torchstruct._compile_caveats import MODES_MISTRACED
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -158,6 +159,7 @@ def _walk_trainable_sets(m, call, level):
 
 @pytest.mark.parametrize("how", ["wrapper-inductor", "in_place-aot_eager",
                                  "dynamic-aot_eager", "reduce_overhead-inductor"])
+@STALE_GRAPHS
 def test_trainable_set_changes_between_steps_of_a_compiled_model(how):
     m = _net()
     if how == "wrapper-inductor":
@@ -247,6 +249,7 @@ class Noisy(nn.Module):
         return y * 2 if ts.within_gradient(self) else y * 3
 
 
+@STALE_GRAPHS
 def test_within_gradient_of_a_compiled_module_in_each_grad_mode():
     m = Noisy()
     cm = torch.compile(m, fullgraph=True)  # inductor
@@ -304,6 +307,7 @@ class BNNet(nn.Module):
 
 @pytest.mark.parametrize("how", ["wrapper-fullgraph-inductor", "in_place-fullgraph-aot_eager",
                                  "step-aot_eager"])
+@STALE_GRAPHS
 def test_frozen_batchnorm_statistics_under_compile_match_an_eval_mode_twin(how):
     """While a context freezes the BatchNorm's parameters its statistics hold (as a plain twin
     with that layer in eval mode), and they update again after the context."""
@@ -355,6 +359,7 @@ def test_frozen_batchnorm_statistics_under_compile_match_an_eval_mode_twin(how):
 
 
 @pytest.mark.parametrize("how", ["wrapper-fullgraph", "step"])
+@STALE_GRAPHS
 def test_a_context_holding_batchnorm_entered_at_every_compiled_step(how):
     torch.manual_seed(0)
     m = BNNet()
@@ -659,6 +664,7 @@ def test_constant_refuses_in_place_writes_in_already_compiled_code(write):
 
 
 # ----------------------------------------------------------------------- structural gradients
+@STALE_GRAPHS
 def test_value_and_grad_of_a_compiled_loss_with_wrt_selectors():
     m, ref = _small(), _small()
     x = torch.randn(5, 3)

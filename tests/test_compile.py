@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from _flags import STALE_GRAPHS
 
 
 def _compile_available() -> str | None:
@@ -67,6 +68,7 @@ def _step(model, call, opt, x, y):
     return loss.detach(), grads
 
 
+@STALE_GRAPHS
 def test_freeze_except_around_a_compiled_model_changes_between_steps():
     eager, twin = _pair()
     compiled = torch.compile(twin, backend="inductor")
@@ -97,6 +99,7 @@ def _graph_breaks(call, *args):
     return dict(counters["graph_break"])
 
 
+@STALE_GRAPHS
 def test_attached_model_compiles_with_fullgraph():
     """The forward pre-hook of an attached model must not break the graph.
 
