@@ -11,8 +11,8 @@ stack for the frame of a custom function's ``forward``:
   when dynamo runs the forward's frame with code of its own (a graph break inside it);
 - where ``apply`` is C++ (torch 2.14), the frame running the code of a ``forward`` defined on
   a subclass of ``torch.autograd.Function`` (the innermost function under decorators that keep
-  ``__wrapped__``, such as ``torch.amp.custom_fwd``), matched by file, first line and name (so
-  a frame dynamo runs with code of its own matches too), with the arguments that frame holds.
+  ``__wrapped__``, such as ``torch.amp.custom_fwd``), matched by file, first line and name
+  rather than by the code object, with the arguments that frame holds.
   The forwards are indexed from the live subclasses, read again only when the stack holds code
   not classified yet, so a steady loop costs a dictionary look-up per frame. A function run as
   a plain function inside a block before it became the ``forward`` of a class defined later
