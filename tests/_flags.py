@@ -4,6 +4,9 @@ import torch
 
 import torchstruct as ts
 
+TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+"""(major, minor) of the torch the tests run on, read here independently of torchstruct."""
+
 
 def _apply_takes_keywords() -> bool:
     class Probe(torch.autograd.Function):

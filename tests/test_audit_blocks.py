@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import checkpoint
 
 import torchstruct as ts
+from _flags import TORCH
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -752,9 +753,8 @@ class _WritesInForward(nn.Module):
         return self.w * x
 
 
-@pytest.mark.skipif(tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-                    < (2, 11), reason="compiled code escapes dispatch modes on older torch "
-                                      "(2.4 seen; docs/stop_gradient.md)")
+@pytest.mark.skipif(TORCH < (2, 11), reason="compiled code escapes dispatch modes on older "
+                                             "torch (2.4 seen; docs/stop_gradient.md)")
 @pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
 @pytest.mark.parametrize("compiled_before", [False, True])
 def test_constant_refuses_a_write_by_compiled_code(backend, compiled_before):

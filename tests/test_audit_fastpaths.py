@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import torchstruct as ts
-from _flags import STALE_GRAPHS
+from _flags import STALE_GRAPHS, TORCH
 from torchstruct.select import index
 
 T = ts.tree
@@ -661,7 +661,7 @@ _UNVIEWABLE = {
 
 
 _MKLDNN_UNDER_DYNAMO = pytest.mark.xfail(
-    tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 14),
+    TORCH < (2, 14),
     strict=True, reason=(
     "under torch.compile a mkldnn tensor's fake reports layout torch.strided and is_mkldnn "
     "False, so within_gradient cannot tell it from a dense tensor and takes the identity view "

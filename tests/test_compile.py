@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
-from _flags import STALE_GRAPHS
+from _flags import STALE_GRAPHS, TORCH
 
 
 def _compile_available() -> str | None:
@@ -278,16 +278,14 @@ def test_a_change_to_another_model_does_not_make_compiled_code_retrace():
 
 # ------------------------------------------- torch before 2.12: graphs kept after flags change
 def _torch_before_2_12():
-    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    return (major, minor) < (2, 12)
+    return TORCH < (2, 12)
 
 
 def test_the_stale_graph_warning_is_armed_exactly_on_torch_before_2_12():
     from torchstruct import _compile_caveats
 
     assert _compile_caveats.STALE is _torch_before_2_12()
-    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    assert _compile_caveats.MODES_MISTRACED is ((major, minor) < (2, 13))
+    assert _compile_caveats.MODES_MISTRACED is (TORCH < (2, 13))
 
 
 def test_the_blocks_handler_is_traced_where_dynamo_traces_it_right():
