@@ -50,6 +50,7 @@ TORCH_LIBRARY(torchstruct, m) {
 
 namespace torchstruct {
 PyObject* clip_grads(PyObject* self, PyObject* args);  // grads.cpp
+PyObject* step_plan(PyObject* self, PyObject* args);   // plan.cpp
 }
 
 namespace {
@@ -58,6 +59,9 @@ PyMethodDef torchstruct_methods[] = {
     {"clip_grads_", torchstruct::clip_grads, METH_VARARGS,
      "clip_grads_(params, max_norm, norm_type): clip_by_global_norm_ of the params' .grad, "
      "read in C++; None when the input needs the checked path."},
+    {"step_plan", torchstruct::step_plan, METH_VARARGS,
+     "step_plan(groups, parameter_type): the parameters an optimizer step updates, one list "
+     "per group; None when the input needs the checked path."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -351,6 +351,32 @@ class MaskedOptimizer(torch.optim.Optimizer):
             return self._plan_now()
 
     def _plan_now(self) -> List[tuple]:
+        plan = self._plan_fast()
+        return plan if plan is not None else self._plan_checked()
+
+    def _plan_fast(self) -> Optional[List[tuple]]:
+        """The plan found in C++ (``torchstruct._C.step_plan``), or None when the input needs
+        the checked path below (DTensors and other tensor subclasses, a problem to report,
+        a torch function mode that could answer ``.grad`` reads)."""
+        if _ops._C is None or torch._C._len_torch_function_stack():
+            return None
+        groups = self.param_groups
+        for index, group in enumerate(groups):
+            self._check_group(index, group)
+        stepped = _ops._C.step_plan(
+            [() if group.get("lr_scale", 1.0) == 0 else group["params"] for group in groups],
+            torch.nn.Parameter)
+        if stepped is None:
+            return None
+        plan = [(group, params) for group, params in zip(groups, stepped) if params]
+        if self.masks:
+            ids = {id(p) for _, params in plan for p in params}
+            for p, mask in self.masks.items():
+                if id(p) in ids:
+                    self._check_mask(p, mask)
+        return plan
+
+    def _plan_checked(self) -> List[tuple]:
         name = type(self).__name__
         masks = self.masks
         seen = set()
