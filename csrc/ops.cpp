@@ -51,6 +51,8 @@ TORCH_LIBRARY(torchstruct, m) {
 namespace torchstruct {
 PyObject* clip_grads(PyObject* self, PyObject* args);  // grads.cpp
 PyObject* step_plan(PyObject* self, PyObject* args);   // plan.cpp
+PyObject* sgd_step(PyObject* self, PyObject* args);    // steps.cpp
+PyObject* adamw_step(PyObject* self, PyObject* args);  // steps.cpp
 }
 
 namespace {
@@ -62,6 +64,10 @@ PyMethodDef torchstruct_methods[] = {
     {"step_plan", torchstruct::step_plan, METH_VARARGS,
      "step_plan(groups, parameter_type): the parameters an optimizer step updates, one list "
      "per group; None when the input needs the checked path."},
+    {"sgd_step_", torchstruct::sgd_step, METH_VARARGS,
+     "torch.ops.torchstruct.sgd_step_ (all arguments positional), without the boxed path."},
+    {"adamw_step_", torchstruct::adamw_step, METH_VARARGS,
+     "torch.ops.torchstruct.adamw_step_ (all arguments positional), without the boxed path."},
     {nullptr, nullptr, 0, nullptr},
 };
 

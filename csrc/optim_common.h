@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -206,6 +207,8 @@ inline void check_sgd_inputs(at::TensorList params, at::TensorList grads,
   }
   check_masks(op, params, masks);
   check_step_scalars(op, params, clip_coef, grad_scale, found_inf);
+  check_inplace_allowed(params, "torchstruct::sgd_step: parameters");
+  check_inplace_allowed(momentum_buffers, "torchstruct::sgd_step: momentum buffers");
 }
 
 // All checks of adamw_step_ (CPU and CUDA), before anything is written.
@@ -240,6 +243,18 @@ inline void check_adamw_inputs(at::TensorList params, at::TensorList grads,
   check_steps(op, params, steps);
   check_masks(op, params, masks);
   check_step_scalars(op, params, clip_coef, grad_scale, found_inf);
+  check_inplace_allowed(params, "torchstruct::adamw_step: parameters");
+  check_inplace_allowed(exp_avgs, "torchstruct::adamw_step: exp_avgs");
+  check_inplace_allowed(exp_avg_sqs, "torchstruct::adamw_step: exp_avg_sqs");
+  check_inplace_allowed(max_exp_avg_sqs, "torchstruct::adamw_step: max_exp_avg_sqs");
+  check_inplace_allowed(steps, "torchstruct::adamw_step: steps");
+}
+
+// After a step has written them: the version counter of every tensor it writes advances, as
+// after torch.optim's in-place updates, so that a backward through a value saved before the
+// step (a step between forward and backward) raises instead of using the new value.
+inline void bump_step_versions(std::initializer_list<at::TensorList> written) {
+  for (const at::TensorList& tensors : written) bump_versions(tensors);
 }
 
 // Per-call scalars of an SGD step, rounded as PyTorch rounds them when it

@@ -186,6 +186,15 @@ def _keep_masked_out(masks: Sequence[Optional[torch.Tensor]], *lists: Sequence[t
     return restore
 
 
+def _bump_versions(*lists: Sequence[torch.Tensor]) -> None:
+    """Advance the version counters of tensors a fused op wrote (``torch._fused_sgd_`` and
+    ``torch._fused_adamw_`` leave them), as every in-place op does: a backward through a
+    value saved before the step raises instead of using the new value."""
+    for tensors in lists:
+        for t in tensors:
+            torch.autograd.graph.increment_version(t)
+
+
 def _grads_for_fused(grads, scale):
     # the fused ops write the unscaled gradients back: give them copies then
     return grads if scale is None else [g.clone() for g in grads]
@@ -218,6 +227,7 @@ def sgd_step_(params, grads, momentum_buffers, masks, lr, momentum, dampening, w
                 weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
                 nesterov=nesterov, maximize=maximize, is_first_step=bool(first_step and bufs),
                 grad_scale=scale, found_inf=skip)
+            _bump_versions(ps, bufs)
             restore()
 
 
@@ -253,4 +263,5 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
                 ps, _grads_for_fused([grads[i] for i in idx], scale), ms, vs, vmaxs, part_steps,
                 lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                 amsgrad=amsgrad, maximize=maximize, grad_scale=scale, found_inf=skip)
+            _bump_versions(ps, ms, vs, vmaxs)
             restore()

@@ -535,25 +535,38 @@ def _step_per_device(name: str, params: List[torch.Tensor], lists: List[list], m
     """Run the in-place step op ``name`` once per device of ``params``: ``lists`` are
     parallel to ``params`` (an empty list stays empty), ``masks`` too (or empty).
     Every device's implementation is resolved before any call."""
-    groups: Dict[torch.device, List[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault(p.device, []).append(i)
-    if any(m is not None for m in masks):
-        masks = list(masks)
-    else:
-        masks = []
+    masks = list(masks) if any(m is not None for m in masks) else []
     if _dtensor.any_dtensor(params):  # FSDP2: update each rank's shard, elementwise
         params, masks = _dtensor.locals_(params), _dtensor.locals_(masks)
         lists = [_dtensor.locals_(lst) for lst in lists]
+    device = params[0].device
+    if all(p.device == device for p in params):  # the common case: no index lists
+        with torch.no_grad():
+            _step_call(name, _impl(name, device, params), params, lists, masks, scalars,
+                       {k: _on(v, device) for k, v in extra.items()})
+        return
+    groups: Dict[torch.device, List[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(p.device, []).append(i)
     with torch.no_grad():
         plans = [(device, idx, _impl(name, device, [params[i] for i in idx]))
                  for device, idx in groups.items()]
         for device, idx, fn in plans:
-            part = [params[i] for i in idx]
-            part_lists = [[lst[i] for i in idx] if lst else [] for lst in lists]
-            part_masks = [masks[i] for i in idx] if masks else []
-            part_extra = {k: _on(v, device) for k, v in extra.items()}
-            fn(part, *part_lists, part_masks, *scalars, **part_extra)
+            _step_call(name, fn, [params[i] for i in idx],
+                       [[lst[i] for i in idx] if lst else [] for lst in lists],
+                       [masks[i] for i in idx] if masks else [], scalars,
+                       {k: _on(v, device) for k, v in extra.items()})
+
+
+def _step_call(name: str, fn, params: list, lists: list, masks: list, scalars: tuple,
+               extra: dict) -> None:
+    """``fn(params, *lists, masks, *scalars, **extra)``; the compiled op eagerly through
+    ``torchstruct._C.<name>`` (the same op, unboxed: no per-tensor cost of the boxed call)."""
+    if fn is getattr(torch.ops.torchstruct, name, None) and not _is_compiling():
+        getattr(_C, name)(params, *lists, masks, *scalars, extra["clip_coef"],
+                          extra["grad_scale"], extra["found_inf"])
+    else:
+        fn(params, *lists, masks, *scalars, **extra)
 
 
 def sgd_step_(params, grads, momentum_buffers, masks=(), *, lr: float, momentum: float = 0.0,

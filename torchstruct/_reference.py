@@ -288,6 +288,8 @@ def validate_step_inputs(op, params, grads, states, masks, steps=None):
     _check_like_params(op, "gradients", params, grads)
     for what, tensors in states:
         _check_like_params(op, what, params, tensors)
+    for what, tensors in [("parameters", params), *states, ("steps", steps or ())]:
+        validate_writable(tensors, f"{op}: {what}")
     if masks:
         if len(masks) != len(params):
             raise ValueError(

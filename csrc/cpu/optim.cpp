@@ -14,6 +14,7 @@
 // a branch), so it stays bitwise unchanged, state included.
 // found_inf != 0: nothing is written (checked on the host: the tensor is on the
 // CPU). Step counts advance after the loop, so no chunk sees a half-updated one.
+// Every tensor written has its version counter advanced (not after a skipped step).
 #include "../optim_common.h"
 #include "elements.h"
 
@@ -338,6 +339,7 @@ void sgd_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList mo
   run_parallel(work, total, [&](const Work& w) {
     sgd_chunk(items[w.item], w, mode, nesterov, cf, cd);
   });
+  bump_step_versions({params, momentum_buffers});
 }
 
 // ---------------------------------------------------------------------------
@@ -624,6 +626,7 @@ void adamw_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
     adamw_chunk(items[w.item], w, amsgrad, cf, cd);
   });
   for (size_t i = 0; i < steps.size(); ++i) *steps[i].data_ptr<float>() = new_steps[i];
+  bump_step_versions({params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps});
 }
 
 }  // namespace

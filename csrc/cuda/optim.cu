@@ -336,6 +336,7 @@ void sgd_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
+  bump_step_versions({params, momentum_buffers});  // also when found_inf skips on the device
 }
 
 void adamw_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -394,6 +395,7 @@ void adamw_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList
       ptrs.n = 0;
     }
   }
+  bump_step_versions({params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps});
 }
 
 }  // namespace

@@ -1,0 +1,166 @@
+// torchstruct._C.sgd_step_(...) and torchstruct._C.adamw_step_(...): the fused optimizer steps
+// (torch.ops.torchstruct.sgd_step_ / adamw_step_, same arguments, all positional) called from
+// Python without the boxed path of torch.ops. The caller runs them under torch.no_grad().
+//
+// A step hands the op five or six lists of one tensor per parameter. Through torch.ops each
+// element is converted into a boxed value and back, and each reference released on the
+// dispatcher's side takes the GIL again: about a microsecond per tensor, which on a GPU can
+// cost more than the update's own kernels. Here the lists are read into vectors with the GIL
+// held, the op runs unboxed without it, straight to the kernel of the tensors' device (the
+// autograd keys excluded: the kernels bump the version counters of what they write), and the
+// vectors are released after the GIL is back. The op's errors are raised as torch.ops raises
+// them. Under torch.compile the Python side calls torch.ops (this function is not traceable).
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <ATen/core/List.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <optional>
+#include <vector>
+
+namespace torchstruct {
+namespace {
+
+using Tensors = std::vector<at::Tensor>;
+using OptionalTensors = c10::List<std::optional<at::Tensor>>;
+using Optional = std::optional<at::Tensor>;
+
+// A Python list or tuple of tensors; false with a TypeError set otherwise.
+bool read_tensors(PyObject* seq, const char* what, Tensors& out) {
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a list of tensors, got %s", what,
+                 Py_TYPE(seq)->tp_name);
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(items[i])) {
+      PyErr_Format(PyExc_TypeError, "%s[%zd] must be a tensor, got %s", what, i,
+                   Py_TYPE(items[i])->tp_name);
+      return false;
+    }
+    out.push_back(THPVariable_Unpack(items[i]));
+  }
+  return true;
+}
+
+bool read_optional(PyObject* obj, const char* what, Optional& out) {
+  if (obj == Py_None) return true;
+  if (!THPVariable_Check(obj)) {
+    PyErr_Format(PyExc_TypeError, "%s must be a tensor or None, got %s", what,
+                 Py_TYPE(obj)->tp_name);
+    return false;
+  }
+  out = THPVariable_Unpack(obj);
+  return true;
+}
+
+// Masks: a list or tuple of bool tensors or None (one per parameter), or empty.
+bool read_masks(PyObject* seq, OptionalTensors& out) {
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) {
+    PyErr_Format(PyExc_TypeError, "masks must be a list, got %s", Py_TYPE(seq)->tp_name);
+    return false;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    Optional mask;
+    if (!read_optional(items[i], "a mask", mask)) return false;
+    out.push_back(std::move(mask));
+  }
+  return true;
+}
+
+// Runs `call` without the GIL; the tensors it reads stay referenced by the caller's vectors,
+// which are released with the GIL held.
+template <typename F>
+PyObject* without_gil(F&& call) {
+  HANDLE_TH_ERRORS
+  {
+    pybind11::gil_scoped_release no_gil;
+    // Straight to the device kernel, as under torch.no_grad() (where the caller is): the
+    // kernels bump the version counters of what they write themselves.
+    c10::impl::ExcludeDispatchKeyGuard no_autograd(
+        c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+    call();
+  }
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace
+
+PyObject* sgd_step(PyObject* /*self*/, PyObject* args) {
+  PyObject *params_obj, *grads_obj, *bufs_obj, *masks_obj, *clip_obj, *scale_obj, *inf_obj;
+  double lr, momentum, dampening, weight_decay;
+  int nesterov, maximize, first_step;
+  if (!PyArg_ParseTuple(args, "OOOOddddpppOOO", &params_obj, &grads_obj, &bufs_obj, &masks_obj,
+                        &lr, &momentum, &dampening, &weight_decay, &nesterov, &maximize,
+                        &first_step, &clip_obj, &scale_obj, &inf_obj)) {
+    return nullptr;
+  }
+  Tensors params, grads, bufs;
+  OptionalTensors masks;
+  Optional clip_coef, grad_scale, found_inf;
+  if (!read_tensors(params_obj, "params", params) || !read_tensors(grads_obj, "grads", grads) ||
+      !read_tensors(bufs_obj, "momentum_buffers", bufs) || !read_masks(masks_obj, masks) ||
+      !read_optional(clip_obj, "clip_coef", clip_coef) ||
+      !read_optional(scale_obj, "grad_scale", grad_scale) ||
+      !read_optional(inf_obj, "found_inf", found_inf)) {
+    return nullptr;
+  }
+  return without_gil([&] {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torchstruct::sgd_step_", "")
+            .typed<void(at::TensorList, at::TensorList, at::TensorList, const OptionalTensors&,
+                        double, double, double, double, bool, bool, bool, const Optional&,
+                        const Optional&, const Optional&)>();
+    op.call(params, grads, bufs, masks, lr, momentum, dampening, weight_decay, nesterov != 0,
+            maximize != 0, first_step != 0, clip_coef, grad_scale, found_inf);
+  });
+}
+
+PyObject* adamw_step(PyObject* /*self*/, PyObject* args) {
+  PyObject *params_obj, *grads_obj, *avgs_obj, *sqs_obj, *maxs_obj, *steps_obj, *masks_obj;
+  PyObject *clip_obj, *scale_obj, *inf_obj;
+  double lr, beta1, beta2, weight_decay, eps;
+  int amsgrad, maximize;
+  if (!PyArg_ParseTuple(args, "OOOOOOOdddddppOOO", &params_obj, &grads_obj, &avgs_obj,
+                        &sqs_obj, &maxs_obj, &steps_obj, &masks_obj, &lr, &beta1, &beta2,
+                        &weight_decay, &eps, &amsgrad, &maximize, &clip_obj, &scale_obj,
+                        &inf_obj)) {
+    return nullptr;
+  }
+  Tensors params, grads, avgs, sqs, maxs, steps;
+  OptionalTensors masks;
+  Optional clip_coef, grad_scale, found_inf;
+  if (!read_tensors(params_obj, "params", params) || !read_tensors(grads_obj, "grads", grads) ||
+      !read_tensors(avgs_obj, "exp_avgs", avgs) || !read_tensors(sqs_obj, "exp_avg_sqs", sqs) ||
+      !read_tensors(maxs_obj, "max_exp_avg_sqs", maxs) ||
+      !read_tensors(steps_obj, "steps", steps) || !read_masks(masks_obj, masks) ||
+      !read_optional(clip_obj, "clip_coef", clip_coef) ||
+      !read_optional(scale_obj, "grad_scale", grad_scale) ||
+      !read_optional(inf_obj, "found_inf", found_inf)) {
+    return nullptr;
+  }
+  return without_gil([&] {
+    static const auto op =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("torchstruct::adamw_step_", "")
+            .typed<void(at::TensorList, at::TensorList, at::TensorList, at::TensorList,
+                        at::TensorList, at::TensorList, const OptionalTensors&, double, double,
+                        double, double, double, bool, bool, const Optional&, const Optional&,
+                        const Optional&)>();
+    op.call(params, grads, avgs, sqs, maxs, steps, masks, lr, beta1, beta2, weight_decay, eps,
+            amsgrad != 0, maximize != 0, clip_coef, grad_scale, found_inf);
+  });
+}
+
+}  // namespace torchstruct
