@@ -53,6 +53,8 @@ PyObject* clip_grads(PyObject* self, PyObject* args);  // grads.cpp
 PyObject* step_plan(PyObject* self, PyObject* args);   // plan.cpp
 PyObject* sgd_step(PyObject* self, PyObject* args);    // steps.cpp
 PyObject* adamw_step(PyObject* self, PyObject* args);  // steps.cpp
+PyObject* common_device(PyObject* self, PyObject* tensors);  // steps.cpp
+PyObject* grads_of(PyObject* self, PyObject* params);         // plan.cpp
 }
 
 namespace {
@@ -64,6 +66,10 @@ PyMethodDef torchstruct_methods[] = {
     {"step_plan", torchstruct::step_plan, METH_VARARGS,
      "step_plan(groups, parameter_type): the parameters an optimizer step updates, one list "
      "per group; None when the input needs the checked path."},
+    {"grads_of", torchstruct::grads_of, METH_O,
+     "grads_of(params): each parameter's .grad, laid out as the parameter; None otherwise."},
+    {"common_device", torchstruct::common_device, METH_O,
+     "common_device(tensors): the one device of all tensors (no subclasses); None otherwise."},
     {"sgd_step_", torchstruct::sgd_step, METH_VARARGS,
      "torch.ops.torchstruct.sgd_step_ (all arguments positional), without the boxed path."},
     {"adamw_step_", torchstruct::adamw_step, METH_VARARGS,

@@ -10,6 +10,11 @@
 // autograd keys excluded: the kernels bump the version counters of what they write), and the
 // vectors are released after the GIL is back. The op's errors are raised as torch.ops raises
 // them. Under torch.compile the Python side calls torch.ops (this function is not traceable).
+//
+// torchstruct._C.common_device(tensors): the device of every tensor in a list or tuple, or None
+// when they are on several, the list is empty, or one is a tensor subclass with Python
+// dispatch (a DTensor: its local shards are stepped).
+#include <torch/csrc/Device.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
@@ -161,6 +166,28 @@ PyObject* adamw_step(PyObject* /*self*/, PyObject* args) {
     op.call(params, grads, avgs, sqs, maxs, steps, masks, lr, beta1, beta2, weight_decay, eps,
             amsgrad != 0, maximize != 0, clip_coef, grad_scale, found_inf);
   });
+}
+
+PyObject* common_device(PyObject* /*self*/, PyObject* tensors) {
+  HANDLE_TH_ERRORS
+  if ((!PyList_Check(tensors) && !PyTuple_Check(tensors)) || PySequence_Fast_GET_SIZE(tensors) == 0) {
+    Py_RETURN_NONE;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors);
+  PyObject** items = PySequence_Fast_ITEMS(tensors);
+  std::optional<c10::Device> device;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_Check(items[i])) Py_RETURN_NONE;
+    const at::Tensor& t = THPVariable_Unpack(items[i]);
+    if (t.key_set().has(c10::DispatchKey::Python)) Py_RETURN_NONE;
+    if (!device) {
+      device = t.device();
+    } else if (t.device() != *device) {
+      Py_RETURN_NONE;
+    }
+  }
+  return THPDevice_New(*device);
+  END_HANDLE_TH_ERRORS
 }
 
 }  // namespace torchstruct

@@ -170,3 +170,50 @@ def test_partly_overlapping_parameters_are_refused_with_names():
     # in separate groups each is stepped once: allowed, as before
     opt = tso.SGD([{"params": [a]}, {"params": [b]}], lr=0.1)
     assert opt._plan_fast() is not None
+
+
+def test_grads_are_read_in_cpp_only_when_laid_out_as_their_parameters():
+    from torchstruct import _C
+
+    a, b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(5))
+    a.grad, b.grad = torch.randn(3, 4), torch.randn(5)
+    grads = _C.grads_of([a, b])
+    assert grads[0] is a.grad and grads[1] is b.grad
+    a.grad = torch.randn(4, 3).t()  # same values' shape, another memory order
+    assert _C.grads_of([a, b]) is None
+    b.grad = None
+    a.grad = torch.randn(3, 4)
+    assert _C.grads_of([a, b]) is None
+    assert _C.grads_of((a,)) is None  # a list only
+    assert _C.grads_of([]) == []
+
+
+def test_a_gradient_laid_out_unlike_its_parameter_steps_as_torch_does():
+    w = nn.Parameter(torch.randn(3, 4))
+    twin = nn.Parameter(w.detach().clone())
+    g = torch.randn(4, 3)
+    w.grad, twin.grad = g.t(), g.t().contiguous()
+    ours, ref = tso.AdamW([w], lr=0.1, max_grad_norm=0.5), torch.optim.AdamW([twin], lr=0.1)
+    ours.step()
+    torch.nn.utils.clip_grad_norm_([twin], 0.5)
+    ref.step()
+    torch.testing.assert_close(w, twin)
+    assert torch.equal(w.grad, g.t())  # read, not written
+
+
+def test_one_device_is_found_in_cpp_and_several_are_split():
+    from torchstruct import _C
+
+    cpu = [torch.zeros(2), nn.Parameter(torch.zeros(3))]
+    assert _C.common_device(cpu) == torch.device("cpu")
+    assert _C.common_device(cpu + [torch.zeros(2, device="meta")]) is None
+    assert _C.common_device([]) is None
+    assert _C.common_device([torch.zeros(1), 1.0]) is None
+
+    class Marked(torch.Tensor):
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    marked = torch.Tensor._make_subclass(Marked, torch.zeros(2))
+    assert _C.common_device(cpu + [marked]) is None

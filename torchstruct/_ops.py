@@ -536,15 +536,15 @@ def _step_per_device(name: str, params: List[torch.Tensor], lists: List[list], m
     parallel to ``params`` (an empty list stays empty), ``masks`` too (or empty).
     Every device's implementation is resolved before any call."""
     masks = list(masks) if any(m is not None for m in masks) else []
-    if _dtensor.any_dtensor(params):  # FSDP2: update each rank's shard, elementwise
-        params, masks = _dtensor.locals_(params), _dtensor.locals_(masks)
-        lists = [_dtensor.locals_(lst) for lst in lists]
-    device = params[0].device
-    if all(p.device == device for p in params):  # the common case: no index lists
+    device = _one_device(params)
+    if device is not None:  # the common case: no index lists
         with torch.no_grad():
             _step_call(name, _impl(name, device, params), params, lists, masks, scalars,
                        {k: _on(v, device) for k, v in extra.items()})
         return
+    if _dtensor.any_dtensor(params):  # FSDP2: update each rank's shard, elementwise
+        params, masks = _dtensor.locals_(params), _dtensor.locals_(masks)
+        lists = [_dtensor.locals_(lst) for lst in lists]
     groups: Dict[torch.device, List[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault(p.device, []).append(i)
@@ -556,6 +556,17 @@ def _step_per_device(name: str, params: List[torch.Tensor], lists: List[list], m
                        [[lst[i] for i in idx] if lst else [] for lst in lists],
                        [masks[i] for i in idx] if masks else [], scalars,
                        {k: _on(v, device) for k, v in extra.items()})
+
+
+def _one_device(tensors: list):
+    """The device of all ``tensors`` (a non-empty list) when they share one and none is a
+    DTensor; else None."""
+    if _C is not None and not _is_compiling():
+        return _C.common_device(tensors)  # (also None for any tensor subclass)
+    if _dtensor.any_dtensor(tensors):
+        return None
+    device = tensors[0].device
+    return device if all(t.device == device for t in tensors) else None
 
 
 def _step_call(name: str, fn, params: list, lists: list, masks: list, scalars: tuple,

@@ -136,8 +136,9 @@ def take_lifted(mode) -> bool:
 
 
 def replaced(tensors) -> list:
-    """Those of ``tensors`` that an active block of this thread replaces by another tensor
-    (``swap``: a stand-in with memory of its own, ``table[id(p)] = (p, make)``)."""
+    """Those of ``tensors`` (an iterable, read only while such a block is active) that an
+    active block of this thread replaces by another tensor (``swap``: a stand-in with memory
+    of its own, ``table[id(p)] = (p, make)``)."""
     modes = [m for m in torch.overrides._get_current_function_mode_stack()
              if getattr(m, "stands_in", False) and not getattr(m, "aliases", True)]
     if not modes:

@@ -101,13 +101,24 @@ def _like(p: torch.Tensor, t: torch.Tensor, dtype=None) -> torch.Tensor:
     return out
 
 
+def _grads_of(params: list) -> list:
+    """The gradients of ``params`` as the kernels take them: one laid out unlike its
+    parameter is copied into the parameter's layout (the norm is the same either way)."""
+    if _ops._C is not None and not _ops._is_compiling():
+        grads = _ops._C.grads_of(params)  # read in C++: None when one needs a copy
+        if grads is not None:
+            return grads
+    return [g if (g := p.grad).stride() == p.stride() else _like(p, g) for p in params]
+
+
 class MaskedOptimizer(torch.optim.Optimizer):
     """Base of the fused optimizers: planning, checks, masks, clip, AMP.
 
     Subclasses set ``_op`` (the ``torchstruct._ops`` op name), implement
     ``_check_group(index, group)`` (raise ``ValueError`` for bad
     hyper-parameters) and ``_update(group, params, grads, masks, clip_coef,
-    grad_scale, found_inf)`` (create missing state, call the op).
+    grad_scale, found_inf)`` (create missing state, call the op; ``masks`` is
+    empty, or one bool tensor or None per parameter).
     """
 
     _op = ""
@@ -340,7 +351,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
         """[(group, params)] of what this step updates; raises (before any write)
         on bad input. Flags are the parameters' own, also inside a ``stop_gradient`` block
         (where ``p.requires_grad`` reads the stand-in's False)."""
-        swapped = _state.replaced([p for g in self.param_groups for p in g["params"]])
+        swapped = _state.replaced(p for g in self.param_groups for p in g["params"])
         if swapped:
             raise RuntimeError(
                 f"{type(self).__name__}: step() inside a swap block that replaces "
@@ -466,11 +477,12 @@ class MaskedOptimizer(torch.optim.Optimizer):
         plan = self._plan()
         grad_scale, found_inf = self._amp()
 
+        grads = [_grads_of(params) for _, params in plan]
         clip_coef = None
         if max_grad_norm is not None:
-            grads = [p.grad for _, params in plan for p in params]
-            if grads:
-                total = _ops.global_norm(grads, self.norm_type)
+            every = [g for part in grads for g in part]
+            if every:
+                total = _ops.global_norm(every, self.norm_type)
                 if grad_scale is not None:  # the norm of the unscaled gradients
                     inv = grad_scale.double().reciprocal().float().to(total.device)
                     total = total * inv
@@ -484,10 +496,9 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 return loss  # skipped, as torch skips it: nothing changes
             found_inf = None
 
-        for group, params in plan:
-            grads = [_like(p, p.grad) for p in params]
-            masks = [self._mask_for(p) for p in params] if self.masks else [None] * len(params)
-            self._update(group, params, grads, masks, clip_coef, grad_scale, found_inf)
+        for (group, params), part in zip(plan, grads):
+            masks = [self._mask_for(p) for p in params] if self.masks else []
+            self._update(group, params, part, masks, clip_coef, grad_scale, found_inf)
         return loss
 
     @_ops.run_eagerly  # dynamo does not replay attribute writes on optimizers

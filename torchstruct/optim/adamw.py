@@ -79,14 +79,16 @@ class AdamW(MaskedOptimizer):
     def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf):
         amsgrad = bool(group["amsgrad"])
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
+        state_of, checked = self.state.get, self._checked_state
         for p in params:
-            state = self.state.get(p)
+            state = state_of(p)
             if not state:  # first step: torch's zero state (step on the parameter's device)
                 state = self.state[p]
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif self._first_check(p):  # state from load_state_dict may be elsewhere: convert
+            elif id(p) not in checked and self._first_check(p):
+                # state from load_state_dict may be elsewhere: converted at its first step
                 step = state["step"]
                 if (not isinstance(step, torch.Tensor) or step.dtype != torch.float32
                         or step.device != p.device):

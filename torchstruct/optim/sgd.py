@@ -104,4 +104,5 @@ class SGD(MaskedOptimizer):
             if idx:
                 _ops.sgd_step_([params[i] for i in idx], [grads[i] for i in idx],
                                [self.state[params[i]]["momentum_buffer"] for i in idx],
-                               [masks[i] for i in idx], first_step=is_first, **kwargs)
+                               [masks[i] for i in idx] if masks else [], first_step=is_first,
+                               **kwargs)
