@@ -217,3 +217,26 @@ def test_one_device_is_found_in_cpp_and_several_are_split():
 
     marked = torch.Tensor._make_subclass(Marked, torch.zeros(2))
     assert _C.common_device(cpu + [marked]) is None
+
+
+@pytest.mark.parametrize("make", [lambda ps: tso.AdamW(ps, lr=0.1, max_grad_norm=1.0),
+                                  lambda ps: tso.SGD(ps, lr=0.1, momentum=0.9)])
+def test_an_eager_step_calls_the_op_unboxed(monkeypatch, make):
+    from torchstruct import _C
+
+    name = "adamw_step_" if isinstance(make([nn.Parameter(torch.ones(1))]), tso.AdamW) else "sgd_step_"
+    calls = []
+    real = getattr(_C, name)
+    monkeypatch.setattr(_C, name, lambda *args: calls.append(len(args[0])) or real(*args))
+    model = nn.Linear(3, 2)
+    twin = nn.Linear(3, 2)
+    twin.load_state_dict(model.state_dict())
+    ours, ref = make(model.parameters()), make(twin.parameters())
+    for net in (model, twin):
+        net(torch.ones(4, 3)).sum().backward()
+    ours.step()
+    assert calls == [2]
+    with _ops.use_backend("reference"):
+        ref.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q)
