@@ -54,6 +54,8 @@ PyObject* step_plan(PyObject* self, PyObject* args);   // plan.cpp
 PyObject* sgd_step(PyObject* self, PyObject* args);    // steps.cpp
 PyObject* adamw_step(PyObject* self, PyObject* args);  // steps.cpp
 PyObject* common_device(PyObject* self, PyObject* tensors);  // steps.cpp
+PyObject* check_sgd_step(PyObject* self, PyObject* args);    // steps.cpp
+PyObject* check_adamw_step(PyObject* self, PyObject* args);  // steps.cpp
 PyObject* grads_of(PyObject* self, PyObject* params);         // plan.cpp
 }
 
@@ -72,6 +74,10 @@ PyMethodDef torchstruct_methods[] = {
      "common_device(tensors): the one device of all tensors (no subclasses); None otherwise."},
     {"sgd_step_", torchstruct::sgd_step, METH_VARARGS,
      "torch.ops.torchstruct.sgd_step_ (all arguments positional), without the boxed path."},
+    {"check_sgd_step_", torchstruct::check_sgd_step, METH_VARARGS,
+     "the input checks of sgd_step_ alone (same arguments); writes nothing."},
+    {"check_adamw_step_", torchstruct::check_adamw_step, METH_VARARGS,
+     "the input checks of adamw_step_ alone (same arguments); writes nothing."},
     {"adamw_step_", torchstruct::adamw_step, METH_VARARGS,
      "torch.ops.torchstruct.adamw_step_ (all arguments positional), without the boxed path."},
     {nullptr, nullptr, 0, nullptr},

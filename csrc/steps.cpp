@@ -11,6 +11,10 @@
 // vectors are released after the GIL is back. The op's errors are raised as torch.ops raises
 // them. Under torch.compile the Python side calls torch.ops (this function is not traceable).
 //
+// torchstruct._C.check_sgd_step_(...) / check_adamw_step_(...), same arguments: the op's input
+// checks alone (those of both kernels, optim_common.h), writing nothing, so that a step of
+// several param groups checks every group before the first is written.
+//
 // torchstruct._C.common_device(tensors): the device of every tensor in a list or tuple, or None
 // when they are on several, the list is empty, or one is a tensor subclass with Python
 // dispatch (a DTensor: its local shards are stepped).
@@ -18,6 +22,8 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include "optim_common.h"
 
 #include <ATen/core/List.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -101,25 +107,60 @@ PyObject* without_gil(F&& call) {
 
 }  // namespace
 
-PyObject* sgd_step(PyObject* /*self*/, PyObject* args) {
-  PyObject *params_obj, *grads_obj, *bufs_obj, *masks_obj, *clip_obj, *scale_obj, *inf_obj;
-  double lr, momentum, dampening, weight_decay;
-  int nesterov, maximize, first_step;
-  if (!PyArg_ParseTuple(args, "OOOOddddpppOOO", &params_obj, &grads_obj, &bufs_obj, &masks_obj,
-                        &lr, &momentum, &dampening, &weight_decay, &nesterov, &maximize,
-                        &first_step, &clip_obj, &scale_obj, &inf_obj)) {
-    return nullptr;
-  }
+namespace {
+
+struct SgdArgs {
   Tensors params, grads, bufs;
   OptionalTensors masks;
+  double lr, momentum, dampening, weight_decay;
+  int nesterov, maximize, first_step;
   Optional clip_coef, grad_scale, found_inf;
-  if (!read_tensors(params_obj, "params", params) || !read_tensors(grads_obj, "grads", grads) ||
-      !read_tensors(bufs_obj, "momentum_buffers", bufs) || !read_masks(masks_obj, masks) ||
-      !read_optional(clip_obj, "clip_coef", clip_coef) ||
-      !read_optional(scale_obj, "grad_scale", grad_scale) ||
-      !read_optional(inf_obj, "found_inf", found_inf)) {
-    return nullptr;
+
+  bool parse(PyObject* args) {
+    PyObject *params_obj, *grads_obj, *bufs_obj, *masks_obj, *clip_obj, *scale_obj, *inf_obj;
+    return PyArg_ParseTuple(args, "OOOOddddpppOOO", &params_obj, &grads_obj, &bufs_obj,
+                            &masks_obj, &lr, &momentum, &dampening, &weight_decay, &nesterov,
+                            &maximize, &first_step, &clip_obj, &scale_obj, &inf_obj) &&
+           read_tensors(params_obj, "params", params) &&
+           read_tensors(grads_obj, "grads", grads) &&
+           read_tensors(bufs_obj, "momentum_buffers", bufs) && read_masks(masks_obj, masks) &&
+           read_optional(clip_obj, "clip_coef", clip_coef) &&
+           read_optional(scale_obj, "grad_scale", grad_scale) &&
+           read_optional(inf_obj, "found_inf", found_inf);
   }
+};
+
+struct AdamwArgs {
+  Tensors params, grads, avgs, sqs, maxs, steps;
+  OptionalTensors masks;
+  double lr, beta1, beta2, weight_decay, eps;
+  int amsgrad, maximize;
+  Optional clip_coef, grad_scale, found_inf;
+
+  bool parse(PyObject* args) {
+    PyObject *params_obj, *grads_obj, *avgs_obj, *sqs_obj, *maxs_obj, *steps_obj, *masks_obj;
+    PyObject *clip_obj, *scale_obj, *inf_obj;
+    return PyArg_ParseTuple(args, "OOOOOOOdddddppOOO", &params_obj, &grads_obj, &avgs_obj,
+                            &sqs_obj, &maxs_obj, &steps_obj, &masks_obj, &lr, &beta1, &beta2,
+                            &weight_decay, &eps, &amsgrad, &maximize, &clip_obj, &scale_obj,
+                            &inf_obj) &&
+           read_tensors(params_obj, "params", params) &&
+           read_tensors(grads_obj, "grads", grads) &&
+           read_tensors(avgs_obj, "exp_avgs", avgs) &&
+           read_tensors(sqs_obj, "exp_avg_sqs", sqs) &&
+           read_tensors(maxs_obj, "max_exp_avg_sqs", maxs) &&
+           read_tensors(steps_obj, "steps", steps) && read_masks(masks_obj, masks) &&
+           read_optional(clip_obj, "clip_coef", clip_coef) &&
+           read_optional(scale_obj, "grad_scale", grad_scale) &&
+           read_optional(inf_obj, "found_inf", found_inf);
+  }
+};
+
+}  // namespace
+
+PyObject* sgd_step(PyObject* /*self*/, PyObject* args) {
+  SgdArgs a;
+  if (!a.parse(args)) return nullptr;
   return without_gil([&] {
     static const auto op =
         c10::Dispatcher::singleton()
@@ -127,34 +168,15 @@ PyObject* sgd_step(PyObject* /*self*/, PyObject* args) {
             .typed<void(at::TensorList, at::TensorList, at::TensorList, const OptionalTensors&,
                         double, double, double, double, bool, bool, bool, const Optional&,
                         const Optional&, const Optional&)>();
-    op.call(params, grads, bufs, masks, lr, momentum, dampening, weight_decay, nesterov != 0,
-            maximize != 0, first_step != 0, clip_coef, grad_scale, found_inf);
+    op.call(a.params, a.grads, a.bufs, a.masks, a.lr, a.momentum, a.dampening, a.weight_decay,
+            a.nesterov != 0, a.maximize != 0, a.first_step != 0, a.clip_coef, a.grad_scale,
+            a.found_inf);
   });
 }
 
 PyObject* adamw_step(PyObject* /*self*/, PyObject* args) {
-  PyObject *params_obj, *grads_obj, *avgs_obj, *sqs_obj, *maxs_obj, *steps_obj, *masks_obj;
-  PyObject *clip_obj, *scale_obj, *inf_obj;
-  double lr, beta1, beta2, weight_decay, eps;
-  int amsgrad, maximize;
-  if (!PyArg_ParseTuple(args, "OOOOOOOdddddppOOO", &params_obj, &grads_obj, &avgs_obj,
-                        &sqs_obj, &maxs_obj, &steps_obj, &masks_obj, &lr, &beta1, &beta2,
-                        &weight_decay, &eps, &amsgrad, &maximize, &clip_obj, &scale_obj,
-                        &inf_obj)) {
-    return nullptr;
-  }
-  Tensors params, grads, avgs, sqs, maxs, steps;
-  OptionalTensors masks;
-  Optional clip_coef, grad_scale, found_inf;
-  if (!read_tensors(params_obj, "params", params) || !read_tensors(grads_obj, "grads", grads) ||
-      !read_tensors(avgs_obj, "exp_avgs", avgs) || !read_tensors(sqs_obj, "exp_avg_sqs", sqs) ||
-      !read_tensors(maxs_obj, "max_exp_avg_sqs", maxs) ||
-      !read_tensors(steps_obj, "steps", steps) || !read_masks(masks_obj, masks) ||
-      !read_optional(clip_obj, "clip_coef", clip_coef) ||
-      !read_optional(scale_obj, "grad_scale", grad_scale) ||
-      !read_optional(inf_obj, "found_inf", found_inf)) {
-    return nullptr;
-  }
+  AdamwArgs a;
+  if (!a.parse(args)) return nullptr;
   return without_gil([&] {
     static const auto op =
         c10::Dispatcher::singleton()
@@ -163,9 +185,31 @@ PyObject* adamw_step(PyObject* /*self*/, PyObject* args) {
                         at::TensorList, at::TensorList, const OptionalTensors&, double, double,
                         double, double, double, bool, bool, const Optional&, const Optional&,
                         const Optional&)>();
-    op.call(params, grads, avgs, sqs, maxs, steps, masks, lr, beta1, beta2, weight_decay, eps,
-            amsgrad != 0, maximize != 0, clip_coef, grad_scale, found_inf);
+    op.call(a.params, a.grads, a.avgs, a.sqs, a.maxs, a.steps, a.masks, a.lr, a.beta1, a.beta2,
+            a.weight_decay, a.eps, a.amsgrad != 0, a.maximize != 0, a.clip_coef, a.grad_scale,
+            a.found_inf);
   });
+}
+
+PyObject* check_sgd_step(PyObject* /*self*/, PyObject* args) {
+  SgdArgs a;
+  if (!a.parse(args)) return nullptr;
+  HANDLE_TH_ERRORS
+  check_sgd_inputs(a.params, a.grads, a.bufs, a.masks, a.lr, a.momentum, a.dampening,
+                   a.weight_decay, a.clip_coef, a.grad_scale, a.found_inf);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
+}
+
+PyObject* check_adamw_step(PyObject* /*self*/, PyObject* args) {
+  AdamwArgs a;
+  if (!a.parse(args)) return nullptr;
+  HANDLE_TH_ERRORS
+  check_adamw_inputs(a.params, a.grads, a.avgs, a.sqs, a.maxs, a.steps, a.masks, a.lr, a.beta1,
+                     a.beta2, a.weight_decay, a.eps, a.amsgrad != 0, a.clip_coef, a.grad_scale,
+                     a.found_inf);
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
 PyObject* common_device(PyObject* /*self*/, PyObject* tensors) {

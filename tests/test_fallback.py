@@ -343,7 +343,8 @@ def test_sgd_momentum_first_step_with_found_inf_on_the_device_path():
     plan = opt._plan()
     for group, params in plan:
         grads = [p.grad for p in params]
-        opt._update(group, params, grads, [None] * len(params), None, None, torch.tensor(1.0))
+        _ops.run_step_calls(opt._update(group, params, grads, [None] * len(params), None, None,
+                                        torch.tensor(1.0), []))
     assert not opt.state
     _set_grads(ours, 2)
     _set_grads(theirs, 2)

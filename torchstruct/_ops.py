@@ -37,8 +37,9 @@ when that refuses, hands DTensors to ``_dtensor`` and the rest to
 import contextlib
 import functools
 import os
+import threading
 import warnings
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Sequence, Tuple
 
 import torch
 
@@ -113,6 +114,10 @@ def _initial_backend() -> str:
 
 
 _backend = _initial_backend()
+#: the backend outside every use_backend block, and the blocks open now, innermost last
+_base_backend = _backend
+_blocks: List[tuple] = []
+_blocks_lock = threading.Lock()
 
 
 def _initial_no_kernels() -> frozenset:
@@ -171,8 +176,11 @@ def _has_kernel(name: str, device_type: str) -> bool:
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Make ``name`` (``"compiled"``, ``"fallback"`` or ``"reference"``) the active
-    backend inside the block; the previous one is restored on exit, also on error."""
-    global _backend
+    backend inside the block, for the whole process (every thread). Blocks nest; when
+    blocks of several threads overlap, the one entered last applies until it ends, and
+    once every block has ended the backend is the one from before the first, whatever the
+    order in which they end (also on error)."""
+    global _backend, _base_backend
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name == "compiled" and _C is None:
@@ -180,12 +188,18 @@ def use_backend(name: str) -> Iterator[None]:
             f"the compiled backend is not available: torchstruct._C failed to import "
             f"({_C_IMPORT_ERROR})"
         )
-    previous = _backend
-    _backend = name
+    token = (name,)  # this block, by identity
+    with _blocks_lock:
+        if not _blocks:
+            _base_backend = _backend
+        _blocks.append(token)
+        _backend = name
     try:
         yield
     finally:
-        _backend = previous
+        with _blocks_lock:
+            _blocks[:] = [b for b in _blocks if b is not token]
+            _backend = _blocks[-1][0] if _blocks else _base_backend
 
 
 def _needs_autograd(tensors: Sequence[torch.Tensor]) -> bool:
@@ -530,32 +544,80 @@ def _on(t, device: torch.device):
     return t.to(device, non_blocking=True)
 
 
-def _step_per_device(name: str, params: List[torch.Tensor], lists: List[list], masks: list,
-                     scalars: tuple, extra: dict) -> None:
-    """Run the in-place step op ``name`` once per device of ``params``: ``lists`` are
-    parallel to ``params`` (an empty list stays empty), ``masks`` too (or empty).
-    Every device's implementation is resolved before any call."""
+class StepCall(NamedTuple):
+    """One call of a fused step op on one device: ``fn(params, *lists, masks, *scalars,
+    **extra)``, ``fn`` resolved by :func:`_impl`."""
+
+    name: str
+    fn: Callable
+    params: list
+    lists: list
+    masks: list
+    scalars: tuple
+    extra: dict
+
+
+def step_calls(name: str, params: List[torch.Tensor], lists: List[list], masks: list,
+               scalars: tuple, extra: dict) -> List[StepCall]:
+    """The calls of the in-place step op ``name`` over ``params``, one per device: ``lists``
+    are parallel to ``params`` (an empty list stays empty), ``masks`` too (or empty); the
+    0-dim tensors of ``extra`` are moved to each device. Every device's implementation is
+    resolved here; nothing runs."""
     masks = list(masks) if any(m is not None for m in masks) else []
     device = _one_device(params)
     if device is not None:  # the common case: no index lists
-        with torch.no_grad():
-            _step_call(name, _impl(name, device, params), params, lists, masks, scalars,
-                       {k: _on(v, device) for k, v in extra.items()})
-        return
+        return [StepCall(name, _impl(name, device, params), params, lists, masks, scalars,
+                         {k: _on(v, device) for k, v in extra.items()})]
     if _dtensor.any_dtensor(params):  # FSDP2: update each rank's shard, elementwise
         params, masks = _dtensor.locals_(params), _dtensor.locals_(masks)
         lists = [_dtensor.locals_(lst) for lst in lists]
     groups: Dict[torch.device, List[int]] = {}
     for i, p in enumerate(params):
         groups.setdefault(p.device, []).append(i)
+    return [StepCall(name, _impl(name, device, [params[i] for i in idx]),
+                     [params[i] for i in idx],
+                     [[lst[i] for i in idx] if lst else [] for lst in lists],
+                     [masks[i] for i in idx] if masks else [], scalars,
+                     {k: _on(v, device) for k, v in extra.items()})
+            for device, idx in groups.items()]
+
+
+def check_step_calls(calls: Sequence[StepCall]) -> None:
+    """Every input of ``calls`` checked as their kernels check it, before any of them
+    writes: a refusal of the last leaves the first unwritten. (Under ``torch.compile`` each
+    call checks its own input when it runs.)"""
+    if _is_compiling():
+        return
+    for call in calls:
+        if _unboxed(call):
+            getattr(_C, f"check_{call.name}")(call.params, *call.lists, call.masks, *call.scalars,
+                                              call.extra["clip_coef"], call.extra["grad_scale"],
+                                              call.extra["found_inf"])
+        elif call.name == "sgd_step_":
+            lr, momentum, dampening, weight_decay = call.scalars[:4]
+            _reference.check_sgd_inputs(call.params, *call.lists, call.masks, lr, momentum,
+                                        dampening, weight_decay, **call.extra)
+        else:
+            lr, beta1, beta2, weight_decay, eps, amsgrad, _ = call.scalars
+            _reference.check_adamw_inputs(call.params, *call.lists, call.masks, lr, beta1, beta2,
+                                          weight_decay, eps, amsgrad, **call.extra)
+
+
+def run_step_calls(calls: Sequence[StepCall]) -> None:
+    """Run ``calls``; the compiled op eagerly through ``torchstruct._C.<name>`` (the same op,
+    unboxed: no per-tensor cost of the boxed call)."""
     with torch.no_grad():
-        plans = [(device, idx, _impl(name, device, [params[i] for i in idx]))
-                 for device, idx in groups.items()]
-        for device, idx, fn in plans:
-            _step_call(name, fn, [params[i] for i in idx],
-                       [[lst[i] for i in idx] if lst else [] for lst in lists],
-                       [masks[i] for i in idx] if masks else [], scalars,
-                       {k: _on(v, device) for k, v in extra.items()})
+        for call in calls:
+            if _unboxed(call):
+                getattr(_C, call.name)(call.params, *call.lists, call.masks, *call.scalars,
+                                       call.extra["clip_coef"], call.extra["grad_scale"],
+                                       call.extra["found_inf"])
+            else:
+                call.fn(call.params, *call.lists, call.masks, *call.scalars, **call.extra)
+
+
+def _unboxed(call: StepCall) -> bool:
+    return call.fn is getattr(torch.ops.torchstruct, call.name, None) and not _is_compiling()
 
 
 def _one_device(tensors: list):
@@ -569,29 +631,15 @@ def _one_device(tensors: list):
     return device if all(t.device == device for t in tensors) else None
 
 
-def _step_call(name: str, fn, params: list, lists: list, masks: list, scalars: tuple,
-               extra: dict) -> None:
-    """``fn(params, *lists, masks, *scalars, **extra)``; the compiled op eagerly through
-    ``torchstruct._C.<name>`` (the same op, unboxed: no per-tensor cost of the boxed call)."""
-    if fn is getattr(torch.ops.torchstruct, name, None) and not _is_compiling():
-        getattr(_C, name)(params, *lists, masks, *scalars, extra["clip_coef"],
-                          extra["grad_scale"], extra["found_inf"])
-    else:
-        fn(params, *lists, masks, *scalars, **extra)
-
-
-def sgd_step_(params, grads, momentum_buffers, masks=(), *, lr: float, momentum: float = 0.0,
-              dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-              maximize: bool = False, first_step: bool = False, clip_coef=None,
-              grad_scale=None, found_inf=None) -> None:
-    """One fused SGD step over ``params`` in place (torch.optim.SGD's arithmetic;
-    see ``csrc/ops.cpp`` for the contract). Parameters may be on several devices
-    (one op call per device); the 0-dim ``clip_coef`` / ``grad_scale`` /
-    ``found_inf`` are moved to each."""
+def sgd_step_calls(params, grads, momentum_buffers, masks=(), *, lr: float,
+                   momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
+                   nesterov: bool = False, maximize: bool = False, first_step: bool = False,
+                   clip_coef=None, grad_scale=None, found_inf=None) -> List[StepCall]:
+    """The calls of :func:`sgd_step_` (one per device), not run."""
     params = list(params)
     if not params:
-        return
-    _step_per_device(
+        return []
+    return step_calls(
         "sgd_step_", params, [list(grads), list(momentum_buffers)], list(masks),
         (float(lr), float(momentum), float(dampening), float(weight_decay), bool(nesterov),
          bool(maximize), bool(first_step)),
@@ -599,17 +647,15 @@ def sgd_step_(params, grads, momentum_buffers, masks=(), *, lr: float, momentum:
     )
 
 
-def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks=(), *,
-                lr: float, beta1: float, beta2: float, weight_decay: float, eps: float,
-                amsgrad: bool = False, maximize: bool = False, clip_coef=None,
-                grad_scale=None, found_inf=None) -> None:
-    """One fused AdamW step over ``params`` in place (torch.optim.AdamW's
-    arithmetic; see ``csrc/ops.cpp`` for the contract). Parameters may be on
-    several devices (one op call per device)."""
+def adamw_step_calls(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks=(), *,
+                     lr: float, beta1: float, beta2: float, weight_decay: float, eps: float,
+                     amsgrad: bool = False, maximize: bool = False, clip_coef=None,
+                     grad_scale=None, found_inf=None) -> List[StepCall]:
+    """The calls of :func:`adamw_step_` (one per device), not run."""
     params = list(params)
     if not params:
-        return
-    _step_per_device(
+        return []
+    return step_calls(
         "adamw_step_", params,
         [list(grads), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs), list(steps)],
         list(masks),
@@ -617,3 +663,24 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
          bool(maximize)),
         {"clip_coef": clip_coef, "grad_scale": grad_scale, "found_inf": found_inf},
     )
+
+
+def sgd_step_(*args, **kwargs) -> None:
+    """One fused SGD step over ``params`` in place (torch.optim.SGD's arithmetic;
+    see ``csrc/ops.cpp`` for the contract), arguments as :func:`sgd_step_calls`.
+    Parameters may be on several devices (one op call per device, every device's
+    input checked before the first writes); the 0-dim ``clip_coef`` /
+    ``grad_scale`` / ``found_inf`` are moved to each."""
+    calls = sgd_step_calls(*args, **kwargs)
+    check_step_calls(calls)
+    run_step_calls(calls)
+
+
+def adamw_step_(*args, **kwargs) -> None:
+    """One fused AdamW step over ``params`` in place (torch.optim.AdamW's
+    arithmetic; see ``csrc/ops.cpp`` for the contract), arguments as
+    :func:`adamw_step_calls`. Parameters may be on several devices (one op call
+    per device, every device's input checked before the first writes)."""
+    calls = adamw_step_calls(*args, **kwargs)
+    check_step_calls(calls)
+    run_step_calls(calls)

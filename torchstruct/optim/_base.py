@@ -68,7 +68,7 @@ def _max_grad_norm(value, name: str) -> Optional[float]:
 def _lr_scale(group: dict, where: str) -> float:
     """The group's ``lr_scale`` (default 1), checked: a finite number >= 0."""
     scale = group.get("lr_scale", 1.0)
-    if isinstance(scale, bool):
+    if isinstance(scale, (bool, str, bytes)):
         raise ValueError(f"{where}: lr_scale must be a number, got {scale!r}")
     value = _number(scale, f"{where}: lr_scale")
     if not (math.isfinite(value) and value >= 0):
@@ -104,8 +104,9 @@ def _like(p: torch.Tensor, t: torch.Tensor, dtype=None) -> torch.Tensor:
 def _grads_of(params: list) -> list:
     """The gradients of ``params`` as the kernels take them: one laid out unlike its
     parameter is copied into the parameter's layout (the norm is the same either way)."""
-    if _ops._C is not None and not _ops._is_compiling():
-        grads = _ops._C.grads_of(params)  # read in C++: None when one needs a copy
+    # (in C++ unless a torch function mode could answer the .grad reads, as in the plan)
+    if _ops._C is not None and not _ops._is_compiling() and not torch._C._len_torch_function_stack():
+        grads = _ops._C.grads_of(params)  # None when one needs a copy
         if grads is not None:
             return grads
     return [g if (g := p.grad).stride() == p.stride() else _like(p, g) for p in params]
@@ -157,6 +158,14 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 self._check_mask(p, mask, require_member=True)
                 checked[p] = mask
             self.masks.update(checked)
+
+    def __getstate__(self):
+        """torch's (defaults, state, param groups), plus the clip and the masks: a deepcopy or
+        pickle of the optimizer keeps clipping and masking as the original does."""
+        state = super().__getstate__()
+        state.update(max_grad_norm=self.max_grad_norm, norm_type=self.norm_type,
+                     masks=self.masks, last_grad_norm=self.last_grad_norm)
+        return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -496,10 +505,41 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 return loss  # skipped, as torch skips it: nothing changes
             found_inf = None
 
-        for (group, params), part in zip(plan, grads):
-            masks = [self._mask_for(p) for p in params] if self.masks else []
-            self._update(group, params, part, masks, clip_coef, grad_scale, found_inf)
+        _ops.run_step_calls(self._calls(plan, grads, clip_coef, grad_scale, found_inf))
         return loss
+
+    def _calls(self, plan, grads, clip_coef, grad_scale, found_inf) -> list:
+        """Every op call of this step (``_ops.StepCall``), the input of all of them checked:
+        nothing is written yet. State a parameter lacks is created here; on a refusal it is
+        taken away again. Existing state that no longer fits its parameter (loaded from
+        elsewhere, or the parameter's dtype, device or memory layout changed since) is
+        converted, and the calls checked once more."""
+        for last in (False, True):
+            created: list = []
+            try:
+                calls = []
+                for (group, params), part in zip(plan, grads):
+                    masks = [self._mask_for(p) for p in params] if self.masks else []
+                    calls += self._update(group, params, part, masks, clip_coef, grad_scale,
+                                          found_inf, created)
+                _ops.check_step_calls(calls)
+                return calls
+            except Exception:
+                self._forget(created)
+                if last:
+                    raise
+                self._checked_state.clear()  # every state converted where it does not fit
+        raise AssertionError("unreachable")
+
+    def _forget(self, created: list) -> None:
+        """Take away the state entries ``created`` lists: ``(param, key)``, key None for the
+        whole entry."""
+        for p, key in reversed(created):
+            state = self.state.get(p)
+            if state is not None and key is not None:
+                state.pop(key, None)
+            if state is not None and (key is None or not state):
+                del self.state[p]
 
     @_ops.run_eagerly  # dynamo does not replay attribute writes on optimizers
     def _remember_norm(self, total: torch.Tensor) -> None:
@@ -509,7 +549,11 @@ class MaskedOptimizer(torch.optim.Optimizer):
         mask = self.masks.get(p)
         return None if mask is None else _like(p, mask)
 
-    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf):
+    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf,
+                created) -> list:
+        """The op calls (``_ops.StepCall``) that update one param group, not run. State a
+        parameter lacks is created, and ``(param, key)`` of each new entry (key None: the
+        whole entry) appended to ``created``."""
         raise NotImplementedError
 
     def _first_check(self, p: torch.Tensor) -> bool:
@@ -521,10 +565,23 @@ class MaskedOptimizer(torch.optim.Optimizer):
         self._checked_state.add(id(p))
         return True
 
-    @staticmethod
-    def _state_like(p: torch.Tensor, t) -> torch.Tensor:
+    def _state_like(self, p: torch.Tensor, t, key: str) -> torch.Tensor:
         """A state tensor of ``p`` as the kernels need it: ``p``'s dtype, device and
-        layout (state loaded from elsewhere is converted once)."""
+        layout (state loaded from elsewhere is converted once). State of another shape, or
+        an inference tensor outside inference mode, is refused (``RuntimeError``): a copy
+        would broadcast it, or hide what torch refuses."""
+        name = type(self).__name__
+        if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+            raise RuntimeError(
+                f"{name}: state {key!r} of {self._label(p)} has shape "
+                f"{tuple(getattr(t, 'shape', ()))}, not the parameter's (was the parameter "
+                f"replaced by one of another shape after the state was made?); nothing was "
+                f"stepped")
+        if t.is_inference() and not torch.is_inference_mode_enabled():
+            raise RuntimeError(
+                f"{name}: state {key!r} of {self._label(p)} is an inference tensor (made by a "
+                f"step inside torch.inference_mode()), which cannot be updated in place outside "
+                f"it; nothing was stepped")
         if t.device != p.device or t.dtype != p.dtype or not _same_layout(t, p):
             out = torch.empty_like(p)
             out.copy_(t)

@@ -76,7 +76,7 @@ class AdamW(MaskedOptimizer):
         if not weight_decay >= 0:
             raise ValueError(f"{name}: weight_decay must be >= 0, got {group['weight_decay']!r}")
 
-    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf):
+    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf, created):
         amsgrad = bool(group["amsgrad"])
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
         state_of, checked = self.state.get, self._checked_state
@@ -87,6 +87,7 @@ class AdamW(MaskedOptimizer):
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                created.append((p, None))
             elif id(p) not in checked and self._first_check(p):
                 # state from load_state_dict may be elsewhere: converted at its first step
                 step = state["step"]
@@ -95,18 +96,20 @@ class AdamW(MaskedOptimizer):
                     state["step"] = torch.as_tensor(float(step), dtype=torch.float32).to(p.device)
                 for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
                     if key in state:
-                        state[key] = self._state_like(p, state[key])
+                        state[key] = self._state_like(p, state[key], key)
             if amsgrad:
                 if "max_exp_avg_sq" not in state:
                     state["max_exp_avg_sq"] = torch.zeros_like(
                         p, memory_format=torch.preserve_format)
+                    created.append((p, "max_exp_avg_sq"))
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])
             steps.append(state["step"])
         beta1, beta2 = group["betas"]
-        _ops.adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks,
-                         lr=_scaled_lr(group), beta1=float(beta1), beta2=float(beta2),
-                         weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-                         amsgrad=amsgrad, maximize=bool(group["maximize"]),
-                         clip_coef=clip_coef, grad_scale=grad_scale, found_inf=found_inf)
+        return _ops.adamw_step_calls(
+            params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, masks,
+            lr=_scaled_lr(group), beta1=float(beta1), beta2=float(beta2),
+            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+            amsgrad=amsgrad, maximize=bool(group["maximize"]), clip_coef=clip_coef,
+            grad_scale=grad_scale, found_inf=found_inf)

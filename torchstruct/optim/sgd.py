@@ -71,7 +71,7 @@ class SGD(MaskedOptimizer):
         if group["nesterov"] and (momentum <= 0 or dampening != 0):
             raise ValueError(f"{name}: Nesterov momentum requires a momentum and zero dampening")
 
-    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf):
+    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf, created):
         momentum = float(group["momentum"])
         kwargs = dict(lr=_scaled_lr(group), momentum=momentum,
                       dampening=float(group["dampening"]),
@@ -79,8 +79,7 @@ class SGD(MaskedOptimizer):
                       maximize=bool(group["maximize"]), clip_coef=clip_coef,
                       grad_scale=grad_scale, found_inf=found_inf)
         if momentum == 0:
-            _ops.sgd_step_(params, grads, [], masks, first_step=False, **kwargs)
-            return
+            return _ops.sgd_step_calls(params, grads, [], masks, first_step=False, **kwargs)
         # Parameters without a buffer take their first step (buffer = gradient).
         first, later = [], []
         for i, p in enumerate(params):
@@ -90,7 +89,7 @@ class SGD(MaskedOptimizer):
                 first.append(i)
             else:
                 if self._first_check(p):  # state from load_state_dict may be elsewhere: convert
-                    state["momentum_buffer"] = self._state_like(p, buf)
+                    state["momentum_buffer"] = self._state_like(p, buf, "momentum_buffer")
                 later.append(i)
         if first and found_inf is not None and bool(found_inf.reshape(()) != 0):
             # An overflowed first step creates no buffer (torch skips the whole step), so the
@@ -100,9 +99,12 @@ class SGD(MaskedOptimizer):
         for i in first:
             self.state[params[i]]["momentum_buffer"] = torch.zeros_like(
                 params[i], memory_format=torch.preserve_format)
+            created.append((params[i], "momentum_buffer"))
+        calls = []
         for idx, is_first in ((later, False), (first, True)):
             if idx:
-                _ops.sgd_step_([params[i] for i in idx], [grads[i] for i in idx],
-                               [self.state[params[i]]["momentum_buffer"] for i in idx],
-                               [masks[i] for i in idx] if masks else [], first_step=is_first,
-                               **kwargs)
+                calls += _ops.sgd_step_calls(
+                    [params[i] for i in idx], [grads[i] for i in idx],
+                    [self.state[params[i]]["momentum_buffer"] for i in idx],
+                    [masks[i] for i in idx] if masks else [], first_step=is_first, **kwargs)
+        return calls
