@@ -64,10 +64,6 @@ def _pair(kind, params_ts, params_t, **kw):
 # bugs found
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the retry converts state (_state_like) in place in self.state before the later "
-    "parameter is refused; the conversion is not undone, so a refused step leaves another "
-    "parameter's state in a new dtype (here rounded to float16)"))
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_a_refused_step_leaves_converted_state_of_other_parameters_as_it_was(kind):
     torch.manual_seed(0)
@@ -84,11 +80,6 @@ def test_a_refused_step_leaves_converted_state_of_other_parameters_as_it_was(kin
     _assert_unchanged(before, opt, [a, b])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "an existing empty state entry (opt.state[p] on the defaultdict, as torch's optimizers "
-    "leave them) gets state created in it; _forget then deletes the whole entry once it is "
-    "empty again (AdamW records (p, None); SGD pops the buffer and drops the empty dict), so "
-    "a refused step removes a key of optimizer.state that existed before"))
 @pytest.mark.parametrize("kind,entry", [("sgd", {}), ("adamw", {}),
                                         ("sgd", {"momentum_buffer": None})])
 def test_a_refused_step_keeps_an_existing_empty_state_entry(kind, entry):
@@ -106,9 +97,6 @@ def test_a_refused_step_keeps_an_existing_empty_state_entry(kind, entry):
     _assert_unchanged(before, opt, [p, q])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "step() stores last_grad_norm (_remember_norm) before the op calls are built and "
-    "checked, so a refused step overwrites the previous step's norm"))
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_a_refused_step_keeps_last_grad_norm(kind):
     p, q = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
@@ -122,10 +110,6 @@ def test_a_refused_step_keeps_last_grad_norm(kind):
     assert torch.equal(opt.last_grad_norm, norm)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "_calls catches Exception only: a KeyboardInterrupt (BaseException) while the calls are "
-    "checked leaves the zero momentum buffer it created; the next step then treats it as a "
-    "later step (buf = momentum*0 + (1-dampening)*g) instead of torch's first step (buf = g)"))
 def test_a_keyboard_interrupt_during_the_checks_leaves_no_state(monkeypatch):
     p = torch.nn.Parameter(torch.ones(3))
     opt = tso.SGD([p], lr=0.1, momentum=0.9, dampening=0.5)
@@ -142,9 +126,6 @@ def test_a_keyboard_interrupt_during_the_checks_leaves_no_state(monkeypatch):
     assert p not in opt.state, f"stale state after the interrupt: {dict(opt.state[p])}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "same root cause: after a KeyboardInterrupt in the checks the next step differs from "
-    "torch.optim.SGD(foreach=False) (dampening applied to the first step)"))
 def test_a_step_after_an_interrupted_one_matches_torch(monkeypatch):
     p, r = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
     opt, ref = _pair("sgd", [p], [r])
@@ -523,9 +504,6 @@ def _interrupt_second_group(monkeypatch, name):
     monkeypatch.setattr(_ops, name, flaky)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "_calls catches Exception only: a KeyboardInterrupt while the second group's calls are "
-    "built leaves the first group's new AdamW state (zeros, step 0) in optimizer.state"))
 def test_an_interrupt_while_building_a_later_group_leaves_no_new_state(monkeypatch):
     a, b = torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3))
     opt = tso.AdamW([{"params": [a]}, {"params": [b]}], lr=0.1)
@@ -706,10 +684,6 @@ def test_drawn_edit_sequences_match_torch_with_reloaded_state(kind, ops, seed, b
                     torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the first step after load_state_dict converts loaded state (_first_check/_state_like) "
-    "into its parameter's layout in self.state while building the calls; when another "
-    "parameter is then refused the converted tensors stay (strides changed by a refused step)"))
 @pytest.mark.parametrize("kind", ["sgd", "adamw"])
 def test_a_refused_first_step_after_loading_leaves_the_loaded_state_as_loaded(kind):
     torch.manual_seed(10)

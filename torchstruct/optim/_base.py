@@ -105,11 +105,15 @@ def _grads_of(params: list) -> list:
     """The gradients of ``params`` as the kernels take them: one laid out unlike its
     parameter is copied into the parameter's layout (the norm is the same either way)."""
     # (in C++ unless a torch function mode could answer the .grad reads, as in the plan)
-    if _ops._C is not None and not _ops._is_compiling() and not torch._C._len_torch_function_stack():
+    if (_ops._C is not None and not _ops._is_compiling()
+            and not torch._C._len_torch_function_stack()):
         grads = _ops._C.grads_of(params)  # None when one needs a copy
         if grads is not None:
             return grads
     return [g if (g := p.grad).stride() == p.stride() else _like(p, g) for p in params]
+
+
+_MISSING = object()  # no state value there before (see MaskedOptimizer._write_state)
 
 
 class MaskedOptimizer(torch.optim.Optimizer):
@@ -487,7 +491,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
         grad_scale, found_inf = self._amp()
 
         grads = [_grads_of(params) for _, params in plan]
-        clip_coef = None
+        clip_coef = total = None
         if max_grad_norm is not None:
             every = [g for part in grads for g in part]
             if every:
@@ -498,48 +502,61 @@ class MaskedOptimizer(torch.optim.Optimizer):
                 clip_coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
             else:
                 total = torch.zeros(())
-            self._remember_norm(total)
 
         if found_inf is not None and found_inf.device.type == "cpu":
             if found_inf.item() != 0:
-                return loss  # skipped, as torch skips it: nothing changes
+                if total is not None:
+                    self._remember_norm(total)
+                return loss  # skipped, as torch skips it: nothing else changes
             found_inf = None
 
-        _ops.run_step_calls(self._calls(plan, grads, clip_coef, grad_scale, found_inf))
+        calls = self._calls(plan, grads, clip_coef, grad_scale, found_inf)
+        if total is not None:
+            self._remember_norm(total)
+        _ops.run_step_calls(calls)
         return loss
 
     def _calls(self, plan, grads, clip_coef, grad_scale, found_inf) -> list:
         """Every op call of this step (``_ops.StepCall``), the input of all of them checked:
-        nothing is written yet. State a parameter lacks is created here; on a refusal it is
-        taken away again. Existing state that no longer fits its parameter (loaded from
-        elsewhere, or the parameter's dtype, device or memory layout changed since) is
-        converted, and the calls checked once more."""
+        nothing is written yet but state. State a parameter lacks is created here, and
+        existing state that no longer fits its parameter (loaded from elsewhere, or the
+        parameter's dtype, device or memory layout changed since) is converted, and the calls
+        checked once more; on a refusal (or an interruption) every state write of the step is
+        undone."""
         for last in (False, True):
-            created: list = []
+            log: list = []
             try:
                 calls = []
                 for (group, params), part in zip(plan, grads):
                     masks = [self._mask_for(p) for p in params] if self.masks else []
                     calls += self._update(group, params, part, masks, clip_coef, grad_scale,
-                                          found_inf, created)
+                                          found_inf, log)
                 _ops.check_step_calls(calls)
                 return calls
-            except Exception:
-                self._forget(created)
-                if last:
+            except BaseException as err:
+                self._undo(log)
+                self._checked_state.clear()  # at the next try: every state converted to fit
+                if last or not isinstance(err, Exception):
                     raise
-                self._checked_state.clear()  # every state converted where it does not fit
         raise AssertionError("unreachable")
 
-    def _forget(self, created: list) -> None:
-        """Take away the state entries ``created`` lists: ``(param, key)``, key None for the
-        whole entry."""
-        for p, key in reversed(created):
-            state = self.state.get(p)
-            if state is not None and key is not None:
-                state.pop(key, None)
-            if state is not None and (key is None or not state):
-                del self.state[p]
+    def _write_state(self, log: list, p: torch.Tensor, key: str, value) -> None:
+        """``self.state[p][key] = value``, with what it replaces kept in ``log``."""
+        if p not in self.state:
+            log.append((p, None, _MISSING))
+        state = self.state[p]
+        log.append((p, key, state.get(key, _MISSING)))
+        state[key] = value
+
+    def _undo(self, log: list) -> None:
+        """Undo the state writes ``log`` holds, last first."""
+        for p, key, old in reversed(log):
+            if key is None:
+                self.state.pop(p, None)
+            elif old is _MISSING:
+                self.state[p].pop(key, None)
+            else:
+                self.state[p][key] = old
 
     @_ops.run_eagerly  # dynamo does not replay attribute writes on optimizers
     def _remember_norm(self, total: torch.Tensor) -> None:
@@ -550,10 +567,10 @@ class MaskedOptimizer(torch.optim.Optimizer):
         return None if mask is None else _like(p, mask)
 
     def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf,
-                created) -> list:
+                log) -> list:
         """The op calls (``_ops.StepCall``) that update one param group, not run. State a
-        parameter lacks is created, and ``(param, key)`` of each new entry (key None: the
-        whole entry) appended to ``created``."""
+        parameter lacks is created, and state that does not fit it converted, each through
+        ``_write_state(log, ...)``."""
         raise NotImplementedError
 
     def _first_check(self, p: torch.Tensor) -> bool:

@@ -76,32 +76,32 @@ class AdamW(MaskedOptimizer):
         if not weight_decay >= 0:
             raise ValueError(f"{name}: weight_decay must be >= 0, got {group['weight_decay']!r}")
 
-    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf, created):
+    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf, log):
         amsgrad = bool(group["amsgrad"])
         exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], []
-        state_of, checked = self.state.get, self._checked_state
+        state_of, checked, write = self.state.get, self._checked_state, self._write_state
         for p in params:
             state = state_of(p)
             if not state:  # first step: torch's zero state (step on the parameter's device)
+                write(log, p, "step", torch.zeros((), dtype=torch.float32, device=p.device))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    write(log, p, key, torch.zeros_like(p, memory_format=torch.preserve_format))
                 state = self.state[p]
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                created.append((p, None))
             elif id(p) not in checked and self._first_check(p):
                 # state from load_state_dict may be elsewhere: converted at its first step
                 step = state["step"]
                 if (not isinstance(step, torch.Tensor) or step.dtype != torch.float32
                         or step.device != p.device):
-                    state["step"] = torch.as_tensor(float(step), dtype=torch.float32).to(p.device)
+                    write(log, p, "step",
+                          torch.as_tensor(float(step), dtype=torch.float32).to(p.device))
                 for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-                    if key in state:
-                        state[key] = self._state_like(p, state[key], key)
+                    old = state.get(key)
+                    if old is not None and (new := self._state_like(p, old, key)) is not old:
+                        write(log, p, key, new)
             if amsgrad:
                 if "max_exp_avg_sq" not in state:
-                    state["max_exp_avg_sq"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format)
-                    created.append((p, "max_exp_avg_sq"))
+                    write(log, p, "max_exp_avg_sq",
+                          torch.zeros_like(p, memory_format=torch.preserve_format))
                 max_exp_avg_sqs.append(state["max_exp_avg_sq"])
             exp_avgs.append(state["exp_avg"])
             exp_avg_sqs.append(state["exp_avg_sq"])

@@ -71,7 +71,7 @@ class SGD(MaskedOptimizer):
         if group["nesterov"] and (momentum <= 0 or dampening != 0):
             raise ValueError(f"{name}: Nesterov momentum requires a momentum and zero dampening")
 
-    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf, created):
+    def _update(self, group, params, grads, masks, clip_coef, grad_scale, found_inf, log):
         momentum = float(group["momentum"])
         kwargs = dict(lr=_scaled_lr(group), momentum=momentum,
                       dampening=float(group["dampening"]),
@@ -89,7 +89,9 @@ class SGD(MaskedOptimizer):
                 first.append(i)
             else:
                 if self._first_check(p):  # state from load_state_dict may be elsewhere: convert
-                    state["momentum_buffer"] = self._state_like(p, buf, "momentum_buffer")
+                    new = self._state_like(p, buf, "momentum_buffer")
+                    if new is not buf:
+                        self._write_state(log, p, "momentum_buffer", new)
                 later.append(i)
         if first and found_inf is not None and bool(found_inf.reshape(()) != 0):
             # An overflowed first step creates no buffer (torch skips the whole step), so the
@@ -97,9 +99,8 @@ class SGD(MaskedOptimizer):
             # parameters still without a buffer (on the CPU it was read before).
             first = []
         for i in first:
-            self.state[params[i]]["momentum_buffer"] = torch.zeros_like(
-                params[i], memory_format=torch.preserve_format)
-            created.append((params[i], "momentum_buffer"))
+            self._write_state(log, params[i], "momentum_buffer", torch.zeros_like(
+                params[i], memory_format=torch.preserve_format))
         calls = []
         for idx, is_first in ((later, False), (first, True)):
             if idx:
