@@ -10,7 +10,8 @@ A step, in order:
    memory) and the masks (shape, dtype, device). Any problem
    raises here, naming the parameter, before any parameter or state changes.
    (Every device has an implementation: a device without compiled kernels runs
-   PyTorch's fused ops, see ``torchstruct._ops``.)
+   PyTorch's fused ops, see ``torchstruct._ops``.) The plain case is decided in
+   C++ (``torchstruct._C.step_plan``), anything else by the checked Python plan.
 2. **AMP**: ``self.grad_scale`` / ``self.found_inf`` as ``torch.amp.GradScaler``
    sets them on optimizers with ``_step_supports_amp_scaling``. A ``found_inf``
    on the CPU is read on the host: when set, the step is skipped before any
@@ -18,11 +19,15 @@ A step, in order:
    kernels, which skip the update on the device without a host sync.
 3. **Clip**: with ``max_grad_norm``, one pass over the gradients of the stepped
    parameters (all groups together) gives the global norm (divided by the grad
-   scale), kept as ``last_grad_norm``; the coefficient
+   scale), kept as ``last_grad_norm`` once step 4's checks pass; the coefficient
    ``clamp(max_grad_norm / (norm + 1e-6), max=1)`` stays a tensor and is
    applied inside the update kernel. Gradients are never written.
-4. **Update**: new state is created, then one fused op call per param group
-   (and device) updates parameters and state in one pass.
+4. **Update**: the op calls of every param group (one per group and device)
+   are built -- missing state created, state that no longer fits its parameter
+   converted -- and the input of all of them checked before the first runs; a
+   refusal (or an interruption) undoes every state write of the step. Each call
+   then updates parameters and state in one pass, advancing the version counter
+   of every tensor it writes.
 
 Parameters that are frozen at step time (``requires_grad`` false) are never
 read or written and get no ``optimizer.state`` entry, even with a stale
