@@ -12,12 +12,13 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
 #include <string>
-#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace torchstruct {
@@ -130,6 +131,27 @@ inline void check_hyper(const char* op, const char* name, double v, bool allow_n
                     name, " must be ", allow_negative ? "a number" : ">= 0", ", got ", v);
 }
 
+// The first tensor (in list order) whose data pointer an earlier one has, as (earlier index,
+// its index); empty tensors are skipped when `skip_empty`. Sorting, not hashing: no allocation
+// per tensor.
+inline std::optional<std::pair<size_t, size_t>> first_repeat(at::TensorList tensors,
+                                                             bool skip_empty) {
+  std::vector<std::pair<const void*, size_t>> at;
+  at.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!skip_empty || tensors[i].numel() != 0) at.emplace_back(tensors[i].const_data_ptr(), i);
+  }
+  std::sort(at.begin(), at.end());
+  std::optional<std::pair<size_t, size_t>> found;
+  for (size_t k = 1; k < at.size(); ++k) {
+    if (at[k].first == at[k - 1].first &&
+        (!found || at[k].second < found->second)) {  // the repeat that comes first in the list
+      found = std::make_pair(at[k - 1].second, at[k].second);
+    }
+  }
+  return found;
+}
+
 // Adam step counts: one float32 one-element tensor per parameter, on its device.
 inline void check_steps(const char* op, at::TensorList params, at::TensorList steps) {
   TORCH_CHECK(steps.size() == params.size(), "torchstruct::", op, ": expected ", params.size(),
@@ -145,25 +167,19 @@ inline void check_steps(const char* op, at::TensorList params, at::TensorList st
   }
   // One count per parameter: a shared one would advance several times in one call (and on
   // CUDA, several blocks would race on it).
-  std::unordered_map<const void*, size_t> first;
-  for (size_t i = 0; i < steps.size(); ++i) {
-    const auto found = first.emplace(steps[i].const_data_ptr(), i);
-    TORCH_CHECK(found.second, "torchstruct::", op, ": step ", i, " and step ",
-                found.first->second, " are the same tensor; each parameter needs its own "
-                "step count");
-  }
+  const auto same = first_repeat(steps, false);
+  TORCH_CHECK(!same.has_value(), "torchstruct::", op, ": step ", same ? same->second : 0,
+              " and step ", same ? same->first : 0, " are the same tensor; each parameter "
+              "needs its own step count");
 }
 
 // Each parameter once per call: two entries with the same memory would be updated twice
 // (and on CUDA, two blocks would race on the same elements).
 inline void check_distinct(const char* op, at::TensorList params) {
-  std::unordered_map<const void*, size_t> first;
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].numel() == 0) continue;
-    TORCH_CHECK(first.emplace(params[i].const_data_ptr(), i).second, "torchstruct::", op,
-                ": parameter ", i, " shares its memory with an earlier parameter; "
-                "each tensor may be stepped once per call");
-  }
+  const auto same = first_repeat(params, true);
+  TORCH_CHECK(!same.has_value(), "torchstruct::", op, ": parameter ", same ? same->second : 0,
+              " shares its memory with an earlier parameter; each tensor may be stepped once "
+              "per call");
 }
 
 inline bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }

@@ -26,6 +26,7 @@
 #include "optim_common.h"
 
 #include <ATen/core/List.h>
+#include <c10/util/MaybeOwned.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
@@ -35,9 +36,37 @@
 namespace torchstruct {
 namespace {
 
-using Tensors = std::vector<at::Tensor>;
 using OptionalTensors = c10::List<std::optional<at::Tensor>>;
 using Optional = std::optional<at::Tensor>;
+
+// Tensors borrowed from their Python objects, which are held (Py_INCREF) until this is
+// destroyed, with the GIL held: no TensorImpl reference count moves. (Each move of one that
+// has a Python object goes through the Python interpreter and takes the GIL: for the lists of
+// a step, hundreds of tensors, that cost more than the checks themselves.)
+class Tensors {
+ public:
+  Tensors() = default;
+  Tensors(const Tensors&) = delete;
+  Tensors& operator=(const Tensors&) = delete;
+  ~Tensors() {
+    for (at::Tensor& t : tensors_) c10::MaybeOwnedTraits<at::Tensor>::destroyBorrow(t);
+    for (PyObject* owner : owners_) Py_DECREF(owner);
+  }
+  void reserve(size_t n) {
+    tensors_.reserve(n);
+    owners_.reserve(n);
+  }
+  void push_back(PyObject* obj) {
+    Py_INCREF(obj);
+    owners_.push_back(obj);
+    tensors_.push_back(c10::MaybeOwnedTraits<at::Tensor>::createBorrow(THPVariable_Unpack(obj)));
+  }
+  operator at::TensorList() const { return tensors_; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<PyObject*> owners_;
+};
 
 // A Python list or tuple of tensors; false with a TypeError set otherwise.
 bool read_tensors(PyObject* seq, const char* what, Tensors& out) {
@@ -55,7 +84,7 @@ bool read_tensors(PyObject* seq, const char* what, Tensors& out) {
                    Py_TYPE(items[i])->tp_name);
       return false;
     }
-    out.push_back(THPVariable_Unpack(items[i]));
+    out.push_back(items[i]);
   }
   return true;
 }
