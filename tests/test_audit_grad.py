@@ -10,6 +10,7 @@ what happens and what is expected.
 import copy
 import os
 import re
+import threading
 import warnings
 
 import pytest
@@ -382,12 +383,6 @@ class FunctionalCk(nn.Module):
         return self.out(checkpoint(inner, x, use_reentrant=True)).sum()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a parameter used functionally (F.linear(u, self.lin.weight)) inside a reentrant "
-    "checkpoint none of whose inputs requires grad is not seen by the forward pre-hook that "
-    "finds dead checkpoints (its module's forward never runs), so structural_grad returns "
-    "zeros for 'lin.weight' and 'lin.bias' silently; the same layer called as a module raises "
-    "ValueError naming it (docs/structural.md): expected the ValueError here too"))
 def test_dead_reentrant_checkpoint_with_a_functional_use_is_an_error():
     m = FunctionalCk()
     with warnings.catch_warnings():
@@ -395,6 +390,78 @@ def test_dead_reentrant_checkpoint_with_a_functional_use_is_an_error():
         with pytest.raises(ValueError, match="'lin.weight' is used inside a reentrant"):
             ts.structural_grad(m, lambda mm: mm(X))
 
+
+
+class FunctionalMix(nn.Module):
+    """A dead reentrant checkpoint using a parameter functionally (inside a list given to an
+    operation) that is also used outside, and another parameter nowhere inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out, self.idle = nn.Linear(3, 4), nn.Linear(4, 1), nn.Linear(3, 3)
+
+    def forward(self, x):
+        w = self.lin.weight
+        inner = lambda u: torch.cat([u @ w.t(), u @ w.t()], 1)[:, :4]
+        return (self.out(checkpoint(inner, x, use_reentrant=True)).sum() + self.lin(x).sum()
+                + self.idle.bias.sum())
+
+
+def test_dead_reentrant_checkpoint_functional_use_inside_a_list_is_an_error_and_restores():
+    m = FunctionalMix()
+    original = torch.utils.checkpoint.CheckpointFunction.__dict__["forward"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match="'lin.weight' is used inside a reentrant"):
+            ts.structural_grad(m, lambda mm: mm(X))
+        # asked only what the dead checkpoint does not use: exact, as backward
+        g = flat(ts.structural_grad(m, lambda mm: mm(X), wrt=["out", "idle"]))
+    assert torch.utils.checkpoint.CheckpointFunction.__dict__["forward"] is original
+    m(X).backward()
+    assert sorted(g) == ["idle.bias", "idle.weight", "out.bias", "out.weight"]
+    for name, p in m.named_parameters():
+        if name in g:
+            want = p.grad if p.grad is not None else torch.zeros_like(p)
+            assert torch.equal(g[name], want), name
+    assert all(p.requires_grad for p in m.parameters())
+
+
+def test_a_live_reentrant_checkpoint_using_a_parameter_functionally_is_exact():
+    m = FunctionalCk()
+    x = X.clone().requires_grad_(True)  # the checkpoint records: no error, backward's result
+    g = flat(ts.structural_grad(m, lambda mm: mm(x)))
+    m(x).backward()
+    assert list(g) == [n for n, _ in m.named_parameters()]
+    assert all(torch.equal(g[n], p.grad) for n, p in m.named_parameters())
+
+
+def test_another_threads_dead_checkpoint_is_not_this_threads_error():
+    m = FunctionalCk()
+    other = FunctionalCk()
+    other.load_state_dict(m.state_dict())
+    go, done, errors = threading.Event(), threading.Event(), []
+
+    def worker():
+        go.wait()
+        try:
+            for _ in range(50):  # a dead checkpoint in this thread, using `other`'s weights
+                other(X)
+        except Exception as err:  # noqa: BLE001
+            errors.append(err)
+        done.set()
+
+    def loss(mm):
+        go.set()
+        done.wait(10)  # the other thread's dead checkpoints all ran during this forward
+        return mm.out(mm.lin(X)).sum()
+
+    t = threading.Thread(target=worker)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        t.start()
+        g = flat(ts.structural_grad(other, loss))
+        t.join()
+    assert not errors and set(g) == {"lin.weight", "lin.bias", "out.weight", "out.bias"}
 
 def test_parametrized_weights_and_tensor_hooks_match_backward():
     from torch.nn.utils.parametrizations import weight_norm

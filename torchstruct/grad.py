@@ -43,8 +43,10 @@ import threading
 from collections.abc import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn.modules import module as _module_mod
+from torch.overrides import TorchFunctionMode
 
 from . import _dtensor, _state
 from . import tree as _tree
@@ -423,13 +425,23 @@ class _DeadCheckpoints:
     input requiring grad (it runs its function under ``no_grad`` and records nothing, so their
     gradient is lost without a trace in the graph).
 
-    A global forward pre-hook (:func:`_watch`), present only while some watch is on, looks at
-    the modules that own an asked parameter when they run with grad disabled, and finds the
-    checkpoint's ``forward`` among the calling frames of this thread.
+    Two ways in, both present only while some watch is on:
+
+    - a global forward pre-hook (:func:`_watch`) looks at the modules that own an asked
+      parameter when they run with grad disabled, and finds the checkpoint's ``forward`` among
+      the calling frames of this thread (a module whose own kernels read its parameters);
+    - ``torch.utils.checkpoint``'s reentrant forward is wrapped (:func:`_checkpoint_forward`):
+      one that gets no input requiring grad runs its function under :class:`_Uses`, which
+      notes every asked parameter an operation takes (a parameter used functionally,
+      ``F.linear(u, self.lin.weight)``, whose module's forward never runs).
+
+    Only the watches of the thread running the checkpoint look.
     """
 
     def __init__(self, model: nn.Module, asked: Pairs) -> None:
         paths = {id(p): path for path, p in asked}
+        self.paths = paths
+        self.thread = threading.get_ident()
         self.owners: dict[int, list[str]] = {}
         for m in model.modules():
             own = [paths[id(p)] for p in m._parameters.values() if p is not None and id(p) in paths]
@@ -449,11 +461,67 @@ class _DeadCheckpoints:
             _WATCHES[:] = [w for w in _WATCHES if w is not self]
             if not _WATCHES:
                 _module_mod._global_forward_pre_hooks.pop(_WATCH_KEY[0], None)
+                _CHECKPOINT.forward = _CHECKPOINT_FORWARD
 
     def seen(self, module: nn.Module) -> None:
         own = self.owners.get(id(module))
         if own and _in_dead_checkpoint(sys._getframe(2)):
-            self.blind.extend(p for p in own if p not in self.blind)
+            self.note(own)
+
+    def used(self, args) -> None:
+        """An operation inside a dead checkpoint took ``args``: note the asked parameters."""
+        own = [self.paths[id(t)] for t in _tensors_in(args) if id(t) in self.paths]
+        if own:
+            self.note(own)
+
+    def note(self, paths: list[str]) -> None:
+        self.blind.extend(p for p in paths if p not in self.blind)
+
+
+def _mine() -> list:
+    """The watches of this thread."""
+    me = threading.get_ident()
+    return [w for w in list(_WATCHES) if w.thread == me]
+
+
+def _tensors_in(args, depth: int = 3):
+    """The tensors among an operation's arguments (inside lists, tuples and dicts too)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif depth and isinstance(a, (list, tuple)):
+            yield from _tensors_in(a, depth - 1)
+        elif depth and isinstance(a, dict):
+            yield from _tensors_in(a.values(), depth - 1)
+
+
+class _Uses(TorchFunctionMode):
+    """Passes every operation through, after showing its arguments to ``watches``."""
+
+    def __init__(self, watches: list) -> None:
+        super().__init__()
+        self.watches = watches
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for w in self.watches:
+            w.used((args, kwargs))
+        return func(*args, **kwargs)
+
+
+_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
+_CHECKPOINT_FORWARD = _CHECKPOINT.__dict__["forward"]  # the staticmethod, put back as it was
+
+
+def _checkpoint_forward(ctx, run_function, preserve_rng_state, *args):
+    """``CheckpointFunction.forward`` while a watch is on: a checkpoint none of whose tensor
+    inputs requires grad, in a thread with a watch, runs under :class:`_Uses`."""
+    forward = _CHECKPOINT_FORWARD.__func__
+    watches = _mine()
+    if not watches or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return forward(ctx, run_function, preserve_rng_state, *args)
+    with _Uses(watches):
+        return forward(ctx, run_function, preserve_rng_state, *args)
 
 
 # The watches on now (all threads), and the key of their global hook. The hook goes in under
@@ -467,7 +535,7 @@ _WATCH_KEY: list = []
 def _watch(module: nn.Module, _args) -> None:
     if torch.is_grad_enabled():
         return
-    for w in list(_WATCHES):
+    for w in _mine():
         w.seen(module)
 
 
@@ -476,6 +544,7 @@ def _watch_on() -> None:
         _WATCH_KEY.append(_module_mod.register_module_forward_pre_hook(_watch).id)
     else:
         _module_mod._global_forward_pre_hooks[_WATCH_KEY[0]] = _watch
+    _CHECKPOINT.forward = staticmethod(_checkpoint_forward)
 
 
 def _in_dead_checkpoint(frame) -> bool:
