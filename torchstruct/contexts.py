@@ -233,7 +233,10 @@ def pop(entry: Entry) -> None:
         _state.entries[:] = [e for e in _state.entries if e is not entry]
         _drop_dead()
         scope = entry.scope()
-        registrations = hooks.state_for(scope).registrations if scope is not None else 0
+        governing = hooks.state_for(scope) if scope is not None else None
+        if governing is not None:
+            governing.reshaped()  # a container changed by its own methods inside the block
+        registrations = governing.registrations if governing is not None else 0
         try:
             changes = _apply_around(entry, refuse=False)
             grown = registrations != entry.registrations

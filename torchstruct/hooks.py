@@ -35,6 +35,8 @@ from .declare import effective
 __all__ = ["attach", "detach_hooks"]
 
 _NORM_OPTION = "_torchstruct_freeze_norm_stats"  # attribute on a module: attach's option
+# PyTorch's containers: their insert / pop / __delitem__ write _modules without a registration
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
 @dataclass(eq=False)
@@ -57,6 +59,28 @@ class State:
     members: dict = field(default_factory=dict)
     hook: object = None
     norm_hooks: dict = field(default_factory=dict)  # id(layer) -> (weakref, [handles])
+    # (weak reference, id of its _modules dict, its length) of each container of the tree at
+    # the last application: their own methods (insert, pop, del) change the tree without
+    # registering
+    containers: tuple = ()
+
+    def reshaped(self) -> bool:
+        """Whether a container of the tree was changed by one of its own methods (``insert``,
+        ``pop``, ``del m[i]``, which write its ``_modules`` without a registration) since the
+        last application: the identity and length of each container's ``_modules`` (``del``
+        puts a new dict in place), not a walk of the tree. A change found counts as a
+        registration (the next forward applies; contexts see that the tree grew)."""
+        for ref, key, n in self.containers:
+            c = ref()
+            if c is not None:
+                mods = c._modules
+                if id(mods) == key and len(mods) == n:
+                    continue
+            self.containers = ()  # counted once; the application looks again
+            _state.mark_changed(self)
+            self.registrations += 1
+            return True
+        return False
 
     def apply(self, refuse: bool = True) -> list[tuple[str, nn.Parameter, bool]]:
         """Compute every flag of the root's parameters and write it (after ``flag_guards``).
@@ -115,6 +139,8 @@ class State:
             }
             modules = idx.module_objects
             self.module_ids = frozenset(map(id, modules))
+            self.containers = tuple((weakref.ref(m), id(m._modules), len(m._modules))
+                                    for m in modules if isinstance(m, _CONTAINERS))
             self._sync_norm_hooks(modules)
             self.dirty = False
             self.kind = type(root)
@@ -344,7 +370,8 @@ def _pre_forward(module: nn.Module, _args) -> None:
             _apply_eagerly(module)  # a graph break: runs eagerly, before the traced forward
         return
     st = _state.states.get(id(module))
-    if st is not None and (st.dirty or st.kind is not type(module)) and st.root() is module:
+    if (st is not None and (st.dirty or st.kind is not type(module) or (st.containers and st.reshaped()))
+            and st.root() is module):
         st.apply()
 
 
@@ -518,7 +545,7 @@ def apply_pending(module: nn.Module) -> None:
     (a registration since their last application)."""
     with _state.LOCK:
         for st in _state.live_states():
-            if st.dirty and id(module) in st.module_ids:
+            if (st.dirty or st.reshaped()) and id(module) in st.module_ids:
                 st.apply()
 
 
