@@ -208,16 +208,19 @@ def test_a_container_change_on_a_gpt2_model():
     trained = blocks[2]
     grown = copy.deepcopy(trained)  # a copy of the trained block, put first: frozen (the
     blocks.insert(0, grown)         # selector named the objects it matched at the call)
+    model.config.n_layer = len(blocks)  # older transformers size per-layer lists by it
     model(ids, use_cache=False)
     assert consistent(model)
     assert trainable(model) == sorted(f"transformer.h.3.{n}" for n, _ in
                                       trained.named_parameters())
     assert not any(p.requires_grad for p in grown.parameters())
     dropped = blocks.pop(3)  # the trained block leaves: its starting flags come back
+    model.config.n_layer = len(blocks)
     model(ids, use_cache=False)
     assert dropped is trained and consistent(model) and trainable(model) == []
     assert all(p.requires_grad for p in dropped.parameters())
     del blocks[0]  # and the copy: its flags back too
+    model.config.n_layer = len(blocks)
     model(ids, use_cache=False)
     assert all(p.requires_grad for p in grown.parameters()) and consistent(model)
 
