@@ -312,7 +312,7 @@ def test_from_flat_dict_accepts_pairs_and_keeps_order():
 def test_map_missing_path_is_named():
     x = {"a": torch.ones(1), "b": {"c": torch.ones(1), "d": torch.ones(1)}}
     y = {"a": torch.ones(1), "b": {"c": torch.ones(1)}}
-    with pytest.raises(ValueError, match=r"argument 1 has no leaf at 'b\.d'"):
+    with pytest.raises(ValueError, match=r"rest\[0\] \(tree number 2, counting `tree` as 1\) has no leaf at 'b\.d'"):
         T.map(torch.add, x, y)
 
 
@@ -320,7 +320,7 @@ def test_map_extra_path_is_named():
     x = {"a": torch.ones(1)}
     y = {"a": torch.ones(1)}
     z = {"a": torch.ones(1), "e": {"f": torch.ones(1)}}
-    with pytest.raises(ValueError, match=r"argument 2 has an extra leaf at 'e\.f'"):
+    with pytest.raises(ValueError, match=r"rest\[1\] \(tree number 3, counting `tree` as 1\) has an extra leaf at 'e\.f'"):
         T.map(lambda *ts: ts[0], x, y, z)
 
 

@@ -20,14 +20,18 @@ Conventions shared by every function here:
   ``torch.func.functional_call`` use) is a tree too: a key with ``"."`` stands
   for the nested keys it joins (no empty component), and the two forms may be
   mixed. Two keys naming the same path, or a leaf at a prefix of another
-  leaf's path, raise ``ValueError``. ``map`` and ``unflatten`` give back a flat
-  dict for a flat input (dotted keys, no nested dicts), a nested tree otherwise;
-  ``from_flat_dict`` / ``to_flat_dict`` convert between the forms.
+  leaf's path, raise ``ValueError``. ``map`` and ``unflatten`` give back the
+  keys of their input as they were (flat, nested or mixed), so that the leaves
+  of the result walk in the same order; ``from_flat_dict`` / ``to_flat_dict``
+  convert between the forms.
 * Leaves are visited depth-first in insertion order.
 * A tensor object reachable at several paths is a *tied* leaf. ``paths``,
   ``leaves``, ``map`` and ``to_flat_dict`` visit it at each path;
   ``flatten`` stores it once and ``unflatten`` restores one object at all of
-  its paths. ``from_module`` lists a tied parameter once, at its first path.
+  its paths. ``flatten`` also ties views of the very same memory (same place,
+  dtype, shape and strides) that do not require grad: a ``state_dict`` holds one
+  such view per path of a tied parameter. ``from_module`` lists a tied
+  parameter once, at its first path.
 
 This module knows nothing of trainability; it imports only torch and the
 standard library. ``map`` and ``reduce`` shadow builtins inside it: the
@@ -113,6 +117,51 @@ def _walk(tree: Tree, prefix: str = "") -> Iterator[tuple[str, Tensor]]:
                 if pre in seen:
                     raise ValueError(f"conflicting paths {pre!r} and {path!r}: {pre!r} is a leaf")
     return iter(items)
+
+
+def _skeleton(tree: Tree) -> tuple:
+    """The keys of a (validated) tree, nested as in it: ``((key, None | skeleton), ...)``,
+    ``None`` for a leaf. Keeps what a tree of paths cannot: which keys are dotted."""
+    return tuple((k, _skeleton(v) if isinstance(v, dict) else None)
+                 for k, v in tree.items() if v is not None)
+
+
+def _rebuild(skeleton: tuple, values: Mapping[str, Any], prefix: str = "") -> Tree:
+    """A tree with the keys of ``skeleton`` (same nesting, same order) and the leaves of
+    ``values`` (path -> Tensor or None); ``None`` leaves and the dicts they leave empty are
+    dropped."""
+    out: Tree = {}
+    for key, sub in skeleton:
+        path = f"{prefix}.{key}" if prefix else key
+        if sub is None:
+            value = values[path]
+            if value is not None and not isinstance(value, Tensor):
+                raise TypeError(f"leaf at {path!r} must be a Tensor or None; got {type(value).__name__}")
+            if value is not None:
+                out[key] = value
+        else:
+            child = _rebuild(sub, values, path)
+            if child:
+                out[key] = child
+    return out
+
+
+def _memory(t: Tensor) -> tuple | None:
+    """A key shared by ``t`` and every view of the very same memory with its dtype, shape and
+    strides (``state_dict`` holds such views for a tied parameter); ``None`` where there is no
+    memory to compare (meta, empty, tensor subclasses without storage)."""
+    try:
+        ptr = t.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    if ptr == 0:
+        return None
+    return (t.device, t.dtype, t.shape, t.stride(), ptr)
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    """``a`` is ``b``, or a view of the very same memory (see :func:`_memory`)."""
+    return a is b or ((key := _memory(a)) is not None and key == _memory(b))
 
 
 def _prefixes(path: str) -> Iterator[str]:
@@ -216,8 +265,8 @@ def map(f: Callable[..., Tensor | None], tree: Tree, *rest: Tree) -> Tree:
         f: called once per path of ``tree`` (in order) with the leaf of ``tree``
             and the leaves of each tree in ``rest`` at the same path. It returns a
             Tensor, or ``None`` to drop that leaf (dicts left empty are pruned).
-        tree: the tree whose structure the result takes (a flat path-keyed dict gives a
-            flat dict).
+        tree: the tree whose keys the result takes, as they are nested (a flat path-keyed
+            dict gives a flat dict).
         *rest: trees with exactly the same paths as ``tree`` (their insertion
             order may differ; ``None`` leaves count as absent).
 
@@ -228,8 +277,8 @@ def map(f: Callable[..., Tensor | None], tree: Tree, *rest: Tree) -> Tree:
     Raises:
         ValueError: a tree in ``rest`` lacks a path of ``tree`` or has an extra
             one; the message names the first such path and the argument.
-        TypeError: ``f`` returned something that is neither Tensor nor None,
-            or as :func:`paths`.
+        TypeError: a tree in ``rest`` is not a dict (named), ``f`` returned something
+            that is neither Tensor nor None, or as :func:`paths`.
 
     Example:
         >>> import torch
@@ -243,26 +292,21 @@ def map(f: Callable[..., Tensor | None], tree: Tree, *rest: Tree) -> Tree:
     """
     items = list(_walk(tree))
     others = []
-    for i, other in enumerate(rest, start=1):
+    for i, other in enumerate(rest):
+        who = f"rest[{i}] (tree number {i + 2}, counting `tree` as 1)"
+        if not isinstance(other, dict):
+            raise TypeError(f"map: {who} must be a tree (a dict); got {type(other).__name__}")
         flat = dict(_walk(other))
         for path, _ in items:
             if path not in flat:
-                raise ValueError(f"tree structures differ: tree argument {i} has no leaf at {path!r}")
+                raise ValueError(f"tree structures differ: {who} has no leaf at {path!r}")
         if len(flat) != len(items):
             own = {path for path, _ in items}
             extra = next(path for path in flat if path not in own)
-            raise ValueError(f"tree structures differ: tree argument {i} has an extra leaf at {extra!r}")
+            raise ValueError(f"tree structures differ: {who} has an extra leaf at {extra!r}")
         others.append(flat)
-    results = ((path, f(leaf, *(o[path] for o in others))) for path, leaf in items)
-    if _is_flat(tree):  # a flat dict in, a flat dict out
-        out = {}
-        for path, value in results:
-            if value is not None and not isinstance(value, Tensor):
-                raise TypeError(f"leaf at {path!r} must be a Tensor or None; got {type(value).__name__}")
-            if value is not None:
-                out[path] = value
-        return out
-    return from_flat_dict(results)
+    results = {path: f(leaf, *(o[path] for o in others)) for path, leaf in items}
+    return _rebuild(_skeleton(tree), results)  # the keys of `tree`: flat, nested or mixed
 
 
 def reduce(f: Callable[[Any, Tensor], Any], tree: Tree, init: Any) -> Any:
@@ -322,6 +366,8 @@ class TreeSpec:
         entries: one :class:`LeafSpec` per path, in tree order.
         dtype: the dtype of the flat vector (promotion of all leaf dtypes).
         flat: the tree was a flat path-keyed dict (``unflatten`` gives one back).
+        skeleton: the tree's keys as they were nested (dotted keys kept), which ``unflatten``
+            rebuilds.
 
     Properties:
         paths: the dotted paths, in order (tied leaves at each of their paths).
@@ -331,6 +377,9 @@ class TreeSpec:
     entries: tuple[LeafSpec, ...]
     dtype: torch.dtype
     flat: bool = False
+    # the keys of the flattened tree, nested as they were (see _skeleton): unflatten gives
+    # back the same keys, so that its leaves walk in the order of `paths`
+    skeleton: tuple | None = None
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -346,8 +395,9 @@ def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
 
     Each leaf is flattened and cast to the promoted dtype of all leaves
     (``torch.promote_types``: fp16 + bf16 -> fp32, int64 + fp32 -> fp32). A
-    tensor object found at several paths (tied) is stored once. The result is
-    differentiable with respect to the leaves (it is a ``torch.cat``).
+    tensor object found at several paths (tied) is stored once, and so are views of the very
+    same memory that do not require grad (a ``state_dict``'s entries for a tied parameter).
+    The result is differentiable with respect to the leaves (it is a ``torch.cat``).
 
     Arguments:
         tree: a nested dict of tensors, all on one device.
@@ -359,7 +409,8 @@ def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
     Raises:
         ValueError: leaves live on different devices (names two paths and
             their devices), or as :func:`paths`.
-        TypeError: a sparse (non-strided) leaf (its path named), or as :func:`paths`.
+        TypeError: a sparse (non-strided) leaf or an uninitialized lazy parameter (its
+            path named), or as :func:`paths`.
 
     Example:
         >>> import torch
@@ -391,22 +442,31 @@ def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
                 f"all leaves must be on one device: {device_path[0]!r} is on {device_path[1]}, "
                 f"{path!r} is on {leaf.device}"
             )
-        seen = first_path.get(id(leaf))
-        if seen is not None:
+        if nn.parameter.is_lazy(leaf):
+            raise TypeError(
+                f"flatten: the leaf at {path!r} is an uninitialized lazy parameter (an "
+                f"nn.Lazy* module before its first forward); run one forward first"
+            )
+        # a tensor seen before, or (not requiring grad) a view of the same memory: tied
+        memory = None if leaf.requires_grad else _memory(leaf)
+        seen = first_path.get(id(leaf)) or (memory is not None and first_path.get(memory))
+        if seen:
             entry = dataclasses.replace(by_path[seen], path=path, alias_of=seen)
         else:
             first_path[id(leaf)] = path
+            if memory is not None:
+                first_path.setdefault(memory, path)
             entry = LeafSpec(path, leaf.shape, leaf.dtype, offset)
             offset += leaf.numel()
             chunks.append(leaf.reshape(-1))
             dtype = leaf.dtype if dtype is None else torch.promote_types(dtype, leaf.dtype)
         by_path[path] = entry
         entries.append(entry)
-    flat = _is_flat(tree)
+    flat, skeleton = _is_flat(tree), _skeleton(tree)
     if dtype is None:
-        return torch.empty(0, dtype=torch.float32), TreeSpec((), torch.float32, flat)
+        return torch.empty(0, dtype=torch.float32), TreeSpec((), torch.float32, flat, skeleton)
     vector = torch.cat([c.to(dtype) for c in chunks])
-    return vector, TreeSpec(tuple(entries), dtype, flat)
+    return vector, TreeSpec(tuple(entries), dtype, flat, skeleton)
 
 
 def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
@@ -423,11 +483,12 @@ def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
         spec: the :class:`TreeSpec` returned by :func:`flatten`.
 
     Returns:
-        A tree with the paths ``spec.paths`` (a flat path-keyed dict when ``spec`` was
-        made from one).
+        A tree with the paths ``spec.paths``, in that order, and the keys of the tree
+        ``spec`` was made from (a flat path-keyed dict when that was one).
 
     Raises:
-        TypeError: ``spec`` is not a TreeSpec or ``vector`` not a Tensor.
+        TypeError: ``spec`` is not a TreeSpec or ``vector`` not a Tensor, or ``vector`` is
+            complex and a leaf is not (the cast would drop the imaginary part).
         ValueError: ``vector`` is not 1-D or its length is not ``spec.numel``.
 
     Example:
@@ -450,12 +511,21 @@ def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
         raise ValueError(f"vector must be 1-D with {spec.numel} elements; got {vector.dim()}-D shape {tuple(vector.shape)}")
     if vector.numel() != spec.numel:
         raise ValueError(f"vector has {vector.numel()} elements but the spec needs {spec.numel}")
+    real = [e.path for e in spec.entries if not e.dtype.is_complex]
+    if vector.is_complex() and real:
+        raise TypeError(
+            f"unflatten: the vector is complex ({vector.dtype}) but the leaf at {real[0]!r} is "
+            f"{spec.entries[spec.paths.index(real[0])].dtype}: the cast would drop the "
+            f"imaginary part"
+        )
     made: dict[str, Tensor] = {}
     for e in spec.entries:
         if e.alias_of is not None:
             made[e.path] = made[e.alias_of]
         else:
             made[e.path] = vector[e.offset : e.offset + e.numel].view(e.shape).to(e.dtype)
+    if spec.skeleton is not None:
+        return _rebuild(spec.skeleton, made)
     return made if spec.flat else from_flat_dict(made)
 
 

@@ -42,20 +42,12 @@ def _trainable(model: nn.Module, who: str) -> Pairs:
     return list(trainable_parameters(model))
 
 
-def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """``a`` is ``b``, or a view of the very same memory (``state_dict`` detaches each path)."""
-    return a is b or (
-        a.device == b.device and a.dtype == b.dtype and a.shape == b.shape
-        and a.stride() == b.stride() and a.data_ptr() == b.data_ptr() and a.data_ptr() != 0
-    )
-
-
 def _check_ties(idx, flat: dict, what: str) -> None:
     """Leaves at two paths of one tied parameter must be one tensor: else one would be lost."""
     for ps in idx.paths:
         held = [path for path in ps if path in flat]
         for path in held[1:]:
-            if not _same_tensor(flat[held[0]], flat[path]):
+            if not _tree._same_tensor(flat[held[0]], flat[path]):
                 raise ValueError(
                     f"{what} has different tensors at {held[0]!r} and {path!r}, two paths of "
                     f"one tied parameter of the model; a tied parameter lives once, at its "
