@@ -261,6 +261,8 @@ class UnfreezeSchedule:
         union = self._union(stage)
         if union is None:
             return None
+        for step, sels in zip(self._steps, self._selectors[:stage]):  # the model may have
+            _milestone_selectors(self.model, step, sels, self.strict)  # changed: say where
         if not union:
             return freeze.prepared(self.model, freeze_norm_stats=self.freeze_norm_stats)
         return freeze_except.prepared(self.model, *union, strict=self.strict,

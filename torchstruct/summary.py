@@ -59,6 +59,24 @@ def _mark(trainable: int, total: int) -> str:
     return "partial" if trainable else "frozen"
 
 
+def _module_mark(on: bool, off: bool) -> str:
+    """A module's mark from whether some parameter of its subtree trains (``on``) and whether
+    some does not (``off``): tied parameters counted elsewhere included."""
+    if on and off:
+        return "partial"
+    return "trainable" if on else ("frozen" if off else "-")
+
+
+def _percent(trainable: int, total: int) -> str:
+    """The trainable share with two decimals, never rounded to all or to nothing."""
+    text = f"{100 * trainable / total:.2f}%" if total else "0.00%"
+    if text == "100.00%" and trainable < total:
+        return ">99.99%"
+    if text == "0.00%" and trainable > 0:
+        return "<0.01%"
+    return text
+
+
 @dataclass(frozen=True)
 class Summary:
     """The result of :func:`summary`; ``str()`` (and the REPL) shows it as a tree.
@@ -83,7 +101,7 @@ class Summary:
     def totals(self) -> str:
         return (
             f"trainable {_count(self.trainable)} of {_count(self.total)}, "
-            f"{100 * self.fraction:.2f}%"
+            f"{_percent(self.trainable, self.total)}"
         )
 
     def __str__(self) -> str:
@@ -108,6 +126,9 @@ class _Node:
     row: Row
     children: list[_Node] = field(default_factory=list)
     sig: object = None  # what makes two subtrees "identical" (their own names excluded)
+    # some parameter of the subtree (with elements) trains / does not, tied ones included
+    on: bool = False
+    off: bool = False
 
 
 def _tree(model: nn.Module) -> _Node:
@@ -115,17 +136,28 @@ def _tree(model: nn.Module) -> _Node:
     on = {id(p) for _, p in trainable_parameters(model)}
     first: dict[int, str] = {}  # id of a parameter or module -> its first path
 
+    def states(params) -> tuple[bool, bool]:
+        sized = [id(p) in on for p in params if p.numel()]
+        return any(sized), not all(sized)
+
     def walk(mod: nn.Module, path: str, name: str, depth: int) -> _Node:
         if id(mod) in first:  # a module used twice: shown once, in full, where it first appears
             row = Row(path, name, type(mod).__name__, depth, 0, 0, "", first[id(mod)])
-            return _Node(row, sig=("used twice", first[id(mod)]))
+            return _Node(row, [], ("used twice", first[id(mod)]), *states(mod.parameters()))
         first[id(mod)] = path
         children, sigs = [], []
         trainable = total = 0
+        own = [p for p in mod._parameters.values() if p is not None]
         for pname, p in mod._parameters.items():
             if p is None:
                 continue
             ppath = f"{path}.{pname}" if path else pname
+            if nn.parameter.is_lazy(p):
+                raise ValueError(
+                    f"summary: parameter {ppath!r} is an uninitialized lazy parameter (an "
+                    f"nn.Lazy* module before its first forward): its size is not known yet; "
+                    f"run one forward first"
+                )
             kind = f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
             if id(p) in first:
                 row = Row(ppath, pname, kind, depth + 1, 0, 0, "", first[id(p)], True)
@@ -145,8 +177,12 @@ def _tree(model: nn.Module) -> _Node:
             trainable, total = trainable + node.row.trainable, total + node.row.total
             children.append(node)
             sigs.append((cname, node.sig))
-        row = Row(path, name, type(mod).__name__, depth, trainable, total, _mark(trainable, total))
-        node = _Node(row, children, (type(mod), tuple(sigs)))
+        on_, off_ = states(own)
+        on_ = on_ or any(c.on for c in children)
+        off_ = off_ or any(c.off for c in children)
+        row = Row(path, name, type(mod).__name__, depth, trainable, total,
+                  _module_mark(on_, off_))
+        node = _Node(row, children, (type(mod), tuple(sigs)), on_, off_)
         if isinstance(mod, (nn.ModuleList, nn.Sequential)):
             node.children = _collapse(node.children)
         return node
@@ -157,7 +193,7 @@ def _tree(model: nn.Module) -> _Node:
 def _scaled(node: _Node, n: int) -> _Node:
     """``node``'s subtree standing for ``n`` identical copies: counts times ``n``."""
     row = replace(node.row, trainable=node.row.trainable * n, total=node.row.total * n)
-    return _Node(row, [_scaled(c, n) for c in node.children], node.sig)
+    return _Node(row, [_scaled(c, n) for c in node.children], node.sig, node.on, node.off)
 
 
 def _collapse(children: list[_Node]) -> list[_Node]:
