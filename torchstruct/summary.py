@@ -25,7 +25,9 @@ class Row:
 
     ``trainable``/``total`` count elements in the subtree, each parameter object once (a tied
     parameter counts where it first appears). ``mark`` is ``"trainable"``, ``"frozen"`` or
-    ``"partial"``; ``tied_to`` is the first path of a tied parameter seen again. ``repeat`` is
+    ``"partial"``: for a module, whether every parameter of its subtree with elements trains,
+    none does, or some do — tied parameters counted elsewhere included, so a module holding a
+    frozen tied weight is never "trainable" (``"-"``: no parameter with elements); ``tied_to`` is the first path of a tied parameter seen again. ``repeat`` is
     how many identical consecutive blocks the row stands for (``path`` is the first one's);
     its counts cover all of them, and so do the counts of the rows under it (the first block's
     rows, standing for the same part of every block).
@@ -239,10 +241,14 @@ def summary(model: nn.Module, max_depth: int | None = None) -> Summary:
     Returns:
         A :class:`Summary`: ``rows`` (modules and parameters, depth first), ``counts`` =
         ``(trainable, total)`` element counts (tied parameters once), and ``str()`` as a
-        printable tree ending in a line such as ``trainable 1.2M of 124M, 0.97%``.
+        printable tree ending in a line such as ``trainable 1.2M of 124M, 0.97%`` (a share
+        that would round to 100.00% or 0.00% without being all or nothing reads ``>99.99%`` /
+        ``<0.01%``).
 
     Raises:
         TypeError: ``model`` is not a module, or ``max_depth`` not an integer >= 0 or None.
+        ValueError: a parameter is an uninitialized lazy parameter (its path named): its
+            size is not known before the module's first forward.
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
