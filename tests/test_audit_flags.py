@@ -157,14 +157,6 @@ def test_a_layer_appended_to_a_module_list_follows_a_bare_context():
     assert consistent(m)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="only the root carries the forward pre-hook: a layer added to a submodule is not "
-    "frozen when that submodule alone runs its forward (model.encoder(x), "
-    "model.get_encoder()(...)); requires_grad stays True while is_trainable says False. "
-    "Expected: the next forward of any module of the tree applies the rule, or the contract "
-    "says 'the next forward of the root'.",
-)
 def test_a_layer_added_to_a_submodule_follows_a_bare_context_at_the_submodule_forward():
     m = nn.Sequential(nn.Sequential(nn.Linear(3, 3)), nn.Linear(3, 1))
     ts.freeze(m, "0.*")

@@ -435,6 +435,7 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
         if key in st.module_ids:
             mark_changed(st)
             st.registrations += 1
+            st.registered_into(module)
 
 
 _module_mod.register_module_parameter_registration_hook(_on_registered)

@@ -63,6 +63,12 @@ class State:
     # the last application: their own methods (insert, pop, del) change the tree without
     # registering
     containers: tuple = ()
+    # after a registration into a module below the root, until the next application: hooks
+    # on that module and the modules between it and the root (id -> handle), so that a forward
+    # of any of them applies first; and the tree's parents as last applied, built at the first
+    # such registration (id of a module -> weak reference to its parent)
+    below: dict = field(default_factory=dict)
+    parents: dict | None = None
 
     def reshaped(self) -> bool:
         """Whether a container of the tree was changed by one of its own methods (``insert``,
@@ -81,6 +87,33 @@ class State:
             self.registrations += 1
             return True
         return False
+
+    def registered_into(self, module: nn.Module) -> None:
+        """A parameter or module was registered into ``module``, a module of this tree: until
+        the next application, a forward of ``module`` or of a module between it and the root
+        applies first (the root's own hook covers the root's forwards)."""
+        root = self.root()
+        if root is None or module is root or self.hook is None:
+            return
+        if self.parents is None:
+            self.parents = {}
+            stack = [root]
+            while stack:
+                mod = stack.pop()
+                for child in mod._modules.values():
+                    if child is not None and id(child) not in self.parents:
+                        self.parents[id(child)] = weakref.ref(mod)
+                        stack.append(child)
+        mod = module
+        while mod is not None and mod is not root and id(mod) not in self.below:
+            self.below[id(mod)] = mod.register_forward_pre_hook(_pre_forward_below)
+            ref = self.parents.get(id(mod))
+            mod = ref() if ref is not None else None
+
+    def _drop_below(self) -> None:
+        for handle in self.below.values():
+            handle.remove()
+        self.below, self.parents = {}, None
 
     def apply(self, refuse: bool = True) -> list[tuple[str, nn.Parameter, bool]]:
         """Compute every flag of the root's parameters and write it (after ``flag_guards``).
@@ -143,6 +176,7 @@ class State:
                                     for m in modules if isinstance(m, _CONTAINERS))
             self._sync_norm_hooks(modules)
             self.dirty = False
+            self._drop_below()
             self.kind = type(root)
             root.__dict__.pop(_state.CHANGED, None)
             if error is not None:
@@ -197,6 +231,7 @@ class State:
         if self.hook is not None:
             self.hook.remove()
             self.hook = None
+        self._drop_below()
         for key, (_, handles) in self.norm_hooks.items():
             for h in handles:
                 h.remove()
@@ -388,6 +423,18 @@ def _apply_eagerly(module: nn.Module) -> None:
             st.apply()
 
 
+@torch.compiler.disable
+def _pre_forward_below(module: nn.Module, _args) -> None:
+    """On a module below an attached root, while a registration into the tree at or under
+    ``module`` waits for an application (see :meth:`State.registered_into`): apply it now,
+    before ``module``'s forward runs on its own (``model.encoder(x)``). Outside compiled code
+    (a graph break there, only while the change waits)."""
+    with _state.LOCK:
+        for st in _state.live_states():
+            if id(module) in st.below and st.dirty and st.hook is not None:
+                st.apply()
+
+
 def _pre_compiled_forward(wrapper: nn.Module, _args) -> None:
     """On a ``torch.compile`` wrapper: apply before the compiled frame runs (eagerly)."""
     _pre_forward(wrapper._modules.get("_orig_mod"), _args)
@@ -471,7 +518,7 @@ def _norm_post(module: nn.Module, _args, _out) -> None:
         module.training = was
 
 
-_OURS = (_pre_forward, _pre_compiled_forward, _norm_pre, _norm_post)
+_OURS = (_pre_forward, _pre_forward_below, _pre_compiled_forward, _norm_pre, _norm_post)
 
 
 # ----------------------------------------------------------------------------- states

@@ -1,0 +1,119 @@
+"""A change of the tree applies at the next forward of any module it is under, not only the root's.
+
+DESIGN.md §1: submodules added later follow the declarations at the next forward. A model is
+often run through a part of it (``model.encoder(x)``, ``model.get_encoder()``,
+``model.transformer(ids)``): after a registration below the root, a forward of the module it
+was registered into, or of any module between it and the root, applies first. The hooks that do
+this exist only while the change waits, and are gone after it is applied.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchstruct as ts
+
+X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
+
+
+class EncDec(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
+        self.decoder = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.decoder(self.encoder(x)).sum()
+
+
+def consistent(model):
+    said = {id(p) for _, p in ts.trainable_parameters(model)}
+    real = {id(p) for p in model.parameters() if p.requires_grad}
+    return said == real
+
+
+def hook_counts(model):
+    return [len(m._forward_pre_hooks) for m in model.modules()]
+
+
+@pytest.mark.parametrize("run", ["encoder", "inner", "root"])
+def test_a_layer_added_deep_applies_at_the_forward_of_any_module_above_it(run):
+    m = EncDec()
+    ts.freeze_except(m, "decoder")  # bare: the encoder is frozen, and what is added to it
+    m(X)
+    before = hook_counts(m)
+    new = nn.Linear(3, 3)
+    m.encoder[1].append(new)  # a registration two levels below the root
+    assert new.weight.requires_grad  # not applied yet: at the next forward
+    {"encoder": lambda: m.encoder(X), "inner": lambda: m.encoder[1](X),
+     "root": lambda: m(X)}[run]()
+    assert not new.weight.requires_grad and consistent(m)
+    assert sum(hook_counts(m)) == sum(before)  # the waiting hooks are gone once applied
+
+
+def test_a_forward_of_a_sibling_branch_does_not_apply():
+    m = EncDec()
+    ts.freeze_except(m, "decoder")
+    m(X)
+    new = nn.Linear(3, 3)
+    m.encoder[1].append(new)
+    m.decoder(torch.randn(4, 3))  # not above the change: nothing to apply there
+    assert new.weight.requires_grad
+    m.encoder(X)
+    assert not new.weight.requires_grad and consistent(m)
+
+
+def test_a_copy_made_while_a_change_waits_is_plain_pytorch():
+    m = EncDec()
+    ts.freeze_except(m, "decoder")
+    m(X)
+    m.encoder[1].append(nn.Linear(3, 3))
+    cp = copy.deepcopy(m)  # carries the waiting hooks, inert there
+    cp.encoder(X)
+    assert cp.encoder[1][1].weight.requires_grad  # the copy is not governed
+    m.encoder(X)
+    assert not m.encoder[1][1].weight.requires_grad and consistent(m)
+    ts.detach_hooks(cp)
+    assert hook_counts(cp) == [0] * len(hook_counts(cp))
+
+
+def test_detach_hooks_removes_the_waiting_hooks():
+    m = EncDec()
+    ts.freeze_except(m, "decoder")
+    m(X)
+    m.encoder[1].append(nn.Linear(3, 3))
+    ts.detach_hooks(m)
+    assert hook_counts(m) == [0] * len(hook_counts(m))
+    m.encoder(X)  # detached: nothing applies at a forward
+    assert m.encoder[1][1].weight.requires_grad
+
+
+def test_a_head_added_to_gpt2s_transformer_applies_when_the_transformer_runs_alone():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    ts.freeze_except(model, "transformer.h.1")  # bare
+    model(ids, use_cache=False)
+    block = copy.deepcopy(model.transformer.h[0])
+    model.transformer.h.append(block)  # registration into the ModuleList
+    model.config.n_layer = 3
+    model.transformer(ids, use_cache=False)  # the transformer alone, not the LM head model
+    assert not any(p.requires_grad for p in block.parameters())
+    assert consistent(model)
+
+
+def test_a_compiled_submodule_applies_a_waiting_change():
+    m = EncDec()
+    ts.freeze_except(m, "decoder")
+    enc = torch.compile(m.encoder, backend="eager")
+    m(X)
+    enc(X)
+    new = nn.Linear(3, 3)
+    m.encoder[1].append(new)
+    enc(X)
+    assert not new.weight.requires_grad and consistent(m)
+    enc(X)
+    assert not new.weight.requires_grad
