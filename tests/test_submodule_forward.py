@@ -117,3 +117,18 @@ def test_a_compiled_submodule_applies_a_waiting_change():
     assert not new.weight.requires_grad and consistent(m)
     enc(X)
     assert not new.weight.requires_grad
+
+
+def test_under_functional_call_the_waiting_hooks_try_once_and_the_root_applies_later():
+    m = EncDec()
+    ts.freeze_except(m, "decoder")
+    m(X)
+    new = nn.Linear(3, 3)
+    m.encoder[1].append(new)
+    params = {k: v.detach().clone() for k, v in m.named_parameters()}  # stand-ins
+    torch.func.functional_call(m.encoder, {k[len("encoder."):]: v for k, v in params.items()
+                                           if k.startswith("encoder.")}, (X,))
+    assert new.weight.requires_grad  # the parameters were not in place: nothing written
+    assert sum(len(mod._forward_pre_hooks) for mod in m.encoder.modules()) == 0
+    m(X)  # the parameters are back: the root's forward applies
+    assert not new.weight.requires_grad and consistent(m)

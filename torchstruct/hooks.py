@@ -144,7 +144,9 @@ class State:
                 idx, starts, flags = effective(root, self.last, lenient=True)
             if not all(isinstance(p, nn.Parameter) for p in idx.params):
                 # tensors standing in for parameters (torch.func.functional_call): not ours to
-                # write; applied once the parameters are back
+                # write; applied once the parameters are back (by the root's forward, or
+                # another application: the hooks below the root try once only)
+                self._drop_below()
                 return []
             new = [(path, p, flags[id(p)]) for path, p in idx]
             changes = [c for c in new if c[1].requires_grad is not c[2]]
