@@ -782,20 +782,21 @@ def test_flat_dict_round_trip_with_dotted_names_and_empty_modules():
 
 
 @pytest.mark.parametrize("rest, match", [
-    ({"b": X}, "tree argument 1 has no leaf at 'a'"),
-    ({"a": X, "b": X}, "tree argument 1 has an extra leaf at 'b'"),
+    ({"b": X}, r"rest\[0\] \(tree number 2, counting `tree` as 1\) has no leaf at 'a'"),
+    ({"a": X, "b": X}, r"rest\[0\] \(tree number 2, counting `tree` as 1\) has an extra leaf at 'b'"),
     ({"a": {"c": X}}, "no leaf at 'a'"),
     ({"a": None}, "no leaf at 'a'"),
 ])
 def test_map_over_mismatched_trees_raises_naming_the_path(rest, match):
     with pytest.raises(ValueError, match=match):
         T.map(torch.add, {"a": X}, rest)
-    with pytest.raises(ValueError, match=match.replace("argument 1", "argument 2")):
+    with pytest.raises(ValueError, match=match.replace("rest\\[0\\] \\(tree number 2",
+                                                       "rest\\[1\\] \\(tree number 3")):
         T.map(lambda a, b, c: a, {"a": X}, {"a": X}, rest)
 
 
 def test_map_bad_keys_and_leaves():
-    with pytest.raises(TypeError, match="root"):
+    with pytest.raises(TypeError, match=r"rest\[0\] \(tree number 2.*must be a tree"):
         T.map(torch.add, {"a": X}, [X])
     with pytest.raises(TypeError, match="'a'"):
         T.map(lambda a: 3, {"a": X})

@@ -438,8 +438,12 @@ def _pre_forward_below(module: nn.Module, _args) -> None:
 
 
 def _pre_compiled_forward(wrapper: nn.Module, _args) -> None:
-    """On a ``torch.compile`` wrapper: apply before the compiled frame runs (eagerly)."""
-    _pre_forward(wrapper._modules.get("_orig_mod"), _args)
+    """On a ``torch.compile`` wrapper: apply before the compiled frame runs (eagerly), also
+    a change waiting below an attached root when the wrapper holds a module above it."""
+    module = wrapper._modules.get("_orig_mod")
+    _pre_forward(module, _args)
+    if any(id(module) in st.below for st in list(_state.states.values())):
+        _pre_forward_below(module, _args)
 
 
 def _on_module_registered(module: nn.Module, name: str, _submodule) -> None:
