@@ -442,6 +442,7 @@ class _DeadCheckpoints:
         paths = {id(p): path for path, p in asked}
         self.paths = paths
         self.thread = threading.get_ident()
+        self.walked: set = set()  # graph nodes already searched for asked parameters
         self.owners: dict[int, list[str]] = {}
         for m in model.modules():
             own = [paths[id(p)] for p in m._parameters.values() if p is not None and id(p) in paths]
@@ -469,10 +470,31 @@ class _DeadCheckpoints:
             self.note(own)
 
     def used(self, args) -> None:
-        """An operation inside a dead checkpoint took ``args``: note the asked parameters."""
-        own = [self.paths[id(t)] for t in _tensors_in(args) if id(t) in self.paths]
+        """An operation inside a dead checkpoint took ``args``: note the asked parameters among
+        them, and those behind a tensor computed from them outside (``w = lin.weight * 2``)."""
+        own = []
+        for t in _tensors_in(args):
+            if id(t) in self.paths:
+                own.append(self.paths[id(t)])
+            elif t.grad_fn is not None:
+                own.extend(self._behind(t.grad_fn))
         if own:
             self.note(own)
+
+    def _behind(self, node) -> list[str]:
+        """The asked parameters the graph from ``node`` reaches (a node is walked once per
+        watch)."""
+        found, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            if n is None or n in self.walked:
+                continue
+            self.walked.add(n)
+            leaf = getattr(n, "variable", None)
+            if leaf is not None and id(leaf) in self.paths:
+                found.append(self.paths[id(leaf)])
+            stack.extend(f for f, _ in n.next_functions)
+        return found
 
     def note(self, paths: list[str]) -> None:
         self.blind.extend(p for p in paths if p not in self.blind)
@@ -496,7 +518,8 @@ def _tensors_in(args, depth: int = 3):
 
 
 class _Uses(TorchFunctionMode):
-    """Passes every operation through, after showing its arguments to ``watches``."""
+    """Passes every operation through, and shows the arguments of those that compute a tensor
+    to ``watches`` (reading a dtype, a shape or a size uses no value: not shown)."""
 
     def __init__(self, watches: list) -> None:
         super().__init__()
@@ -504,9 +527,14 @@ class _Uses(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for w in self.watches:
-            w.used((args, kwargs))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if next(_tensors_in((out,)), None) is not None:
+            for w in self.watches:
+                w.used((args, kwargs))
+        return out
+
+
+_NESTED = threading.local()  # depth of reentrant checkpoint forwards running in this thread
 
 
 _CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
@@ -515,13 +543,22 @@ _CHECKPOINT_FORWARD = _CHECKPOINT.__dict__["forward"]  # the staticmethod, put b
 
 def _checkpoint_forward(ctx, run_function, preserve_rng_state, *args):
     """``CheckpointFunction.forward`` while a watch is on: a checkpoint none of whose tensor
-    inputs requires grad, in a thread with a watch, runs under :class:`_Uses`."""
+    inputs requires grad, in a thread with a watch, runs under :class:`_Uses`. A checkpoint
+    inside another one's forward is judged by the outermost (its first run is discarded, and
+    the outer one's recomputation runs it again with grad: a live outer one makes it live, a
+    dead outer one is already watched)."""
     forward = _CHECKPOINT_FORWARD.__func__
-    watches = _mine()
-    if not watches or any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-        return forward(ctx, run_function, preserve_rng_state, *args)
-    with _Uses(watches):
-        return forward(ctx, run_function, preserve_rng_state, *args)
+    depth = getattr(_NESTED, "depth", 0)
+    watches = _mine() if not depth else []
+    dead = watches and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    _NESTED.depth = depth + 1
+    try:
+        if not dead:
+            return forward(ctx, run_function, preserve_rng_state, *args)
+        with _Uses(watches):
+            return forward(ctx, run_function, preserve_rng_state, *args)
+    finally:
+        _NESTED.depth = depth
 
 
 # The watches on now (all threads), and the key of their global hook. The hook goes in under
@@ -549,15 +586,16 @@ def _watch_on() -> None:
 
 def _in_dead_checkpoint(frame) -> bool:
     """Whether ``frame`` runs inside a reentrant checkpoint's forward none of whose tensor
-    inputs requires grad (the innermost such forward decides)."""
+    inputs requires grad (the outermost such forward decides: see :func:`_checkpoint_forward`)."""
+    dead = False
     while frame is not None:
         if frame.f_code.co_name == "forward":
             ctx = frame.f_locals.get("ctx")
             if ctx is not None and is_reentrant_checkpoint(ctx):
                 args = frame.f_locals.get("args", ())
-                return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+                dead = not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         frame = frame.f_back
-    return False
+    return dead
 
 
 def _split_aux(out, has_aux: bool):

@@ -399,6 +399,9 @@ def _released_when_dead(state: weakref.ref):
 # ----------------------------------------------------------------------------- the hooks
 # Constant-folded to True while dynamo traces; a plain function returning False otherwise.
 _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is_compiling)
+# True inside a torch.func transform (vmap, grad, ...), which refuses requires_grad_(): a change
+# of the tree seen at a forward there waits for the next forward outside
+_transforming = torch._C._are_functorch_transforms_active
 
 
 def _pre_forward(module: nn.Module, _args) -> None:
@@ -408,7 +411,7 @@ def _pre_forward(module: nn.Module, _args) -> None:
         return
     st = _state.states.get(id(module))
     if (st is not None and (st.dirty or st.kind is not type(module) or (st.containers and st.reshaped()))
-            and st.root() is module):
+            and st.root() is module and not _transforming()):
         st.apply()
 
 
@@ -431,6 +434,8 @@ def _pre_forward_below(module: nn.Module, _args) -> None:
     ``module`` waits for an application (see :meth:`State.registered_into`): apply it now,
     before ``module``'s forward runs on its own (``model.encoder(x)``). Outside compiled code
     (a graph break there, only while the change waits)."""
+    if _transforming():
+        return
     with _state.LOCK:
         for st in _state.live_states():
             if id(module) in st.below and st.dirty and st.hook is not None:
