@@ -429,13 +429,16 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
                               or module._modules.get(name) is value):
         return  # the same object registered again (tie_weights): nothing changed
     key = id(module)
-    if entries and value is not None:
-        _held_again(key, value)
-    for st in list(states.values()):
-        if key in st.module_ids:
-            mark_changed(st)
-            st.registrations += 1
-            st.registered_into(module)
+    if not any(key in st.module_ids for st in list(states.values())):
+        return  # not into an attached tree: nothing to do, no lock taken
+    with LOCK:  # not while another thread's application walks the tree: it would be lost
+        if entries and value is not None:
+            _held_again(key, value)
+        for st in list(states.values()):
+            if key in st.module_ids:
+                mark_changed(st)
+                st.registrations += 1
+                st.registered_into(module)
 
 
 _module_mod.register_module_parameter_registration_hook(_on_registered)
