@@ -25,6 +25,13 @@ def _apply_takes_keywords() -> bool:
     return True
 
 
+def consistent(model) -> bool:
+    """The read-only answer (``ts.trainable_parameters``) agrees with the flags actually set."""
+    said = {id(p) for _, p in ts.trainable_parameters(model)}
+    real = {id(p) for p in model.parameters() if p.requires_grad}
+    return said == real
+
+
 APPLY_TAKES_KEYWORDS = _apply_takes_keywords()
 """Whether ``torch.autograd.Function.apply`` accepts keyword arguments (newer torch)."""
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
-from _flags import flags
+from _flags import consistent, flags
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -26,12 +26,6 @@ def x3():
 def bn_net():
     return nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 1))
 
-
-def consistent(model):
-    """The read-only answer agrees with the flags actually set."""
-    said = {id(p) for _, p in ts.trainable_parameters(model)}
-    real = {id(p) for p in model.parameters() if p.requires_grad}
-    return said == real
 
 
 # --------------------------------------------------------------------------------- norm statistics

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import torchstruct as ts
+from _flags import consistent
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -54,11 +55,6 @@ class EncDec(nn.Module):
     def forward(self, x):
         return self.decoder(self.encoder(x)).sum()
 
-
-def consistent(model):
-    said = {id(p) for _, p in ts.trainable_parameters(model)}
-    real = {id(p) for p in model.parameters() if p.requires_grad}
-    return said == real
 
 
 def trainable(model):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from _flags import consistent
 
 X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
 
@@ -32,11 +33,6 @@ class Net(nn.Module):
             x = layer(x)
         return self.head(x).sum()
 
-
-def consistent(model):
-    said = {id(p) for _, p in ts.trainable_parameters(model)}
-    real = {id(p) for p in model.parameters() if p.requires_grad}
-    return said == real
 
 
 def trainable(model):

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from _flags import consistent
 
 X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
 
@@ -26,11 +27,6 @@ class EncDec(nn.Module):
     def forward(self, x):
         return self.decoder(self.encoder(x)).sum()
 
-
-def consistent(model):
-    said = {id(p) for _, p in ts.trainable_parameters(model)}
-    real = {id(p) for p in model.parameters() if p.requires_grad}
-    return said == real
 
 
 def hook_counts(model):
