@@ -423,6 +423,13 @@ def mark_changed(st) -> None:
         root.__dict__[CHANGED] = True
 
 
+def grew(st) -> None:
+    """The tree of state ``st`` changed (a registration, or a container changed by its own
+    methods): its next forward applies, and the contexts on it count one more change."""
+    mark_changed(st)
+    st.registrations += 1
+
+
 def _on_registered(module: nn.Module, name: str, value) -> None:
     """A parameter or module was registered into ``module``: only trees holding it changed."""
     if value is not None and (module._parameters.get(name) is value
@@ -436,8 +443,7 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
             _held_again(key, value)
         for st in list(states.values()):
             if key in st.module_ids:
-                mark_changed(st)
-                st.registrations += 1
+                grew(st)
                 st.registered_into(module)
 
 

@@ -534,6 +534,11 @@ class _Uses(TorchFunctionMode):
         return out
 
 
+def _records_nothing(args) -> bool:
+    """A reentrant checkpoint given ``args`` records nothing: none of them requires grad."""
+    return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
 _NESTED = threading.local()  # depth of reentrant checkpoint forwards running in this thread
 
 
@@ -550,7 +555,7 @@ def _checkpoint_forward(ctx, run_function, preserve_rng_state, *args):
     forward = _CHECKPOINT_FORWARD.__func__
     depth = getattr(_NESTED, "depth", 0)
     watches = _mine() if not depth else []
-    dead = watches and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+    dead = watches and _records_nothing(args)
     _NESTED.depth = depth + 1
     try:
         if not dead:
@@ -593,7 +598,7 @@ def _in_dead_checkpoint(frame) -> bool:
             ctx = frame.f_locals.get("ctx")
             if ctx is not None and is_reentrant_checkpoint(ctx):
                 args = frame.f_locals.get("args", ())
-                dead = not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+                dead = _records_nothing(args)
         frame = frame.f_back
     return dead
 

@@ -83,8 +83,7 @@ class State:
                 if id(mods) == key and len(mods) == n:
                     continue
             self.containers = ()  # counted once; the application looks again
-            _state.mark_changed(self)
-            self.registrations += 1
+            _state.grew(self)
             return True
         return False
 
@@ -410,8 +409,10 @@ def _pre_forward(module: nn.Module, _args) -> None:
             _apply_eagerly(module)  # a graph break: runs eagerly, before the traced forward
         return
     st = _state.states.get(id(module))
-    if (st is not None and (st.dirty or st.kind is not type(module) or (st.containers and st.reshaped()))
-            and st.root() is module and not _transforming()):
+    if st is None:
+        return
+    changed = st.dirty or st.kind is not type(module) or (st.containers and st.reshaped())
+    if changed and st.root() is module and not _transforming():
         st.apply()
 
 
@@ -603,7 +604,7 @@ def apply_pending(module: nn.Module) -> None:
     (a registration since their last application)."""
     with _state.LOCK:
         for st in _state.live_states():
-            if (st.dirty or st.reshaped()) and id(module) in st.module_ids:
+            if id(module) in st.module_ids and (st.dirty or st.reshaped()):
                 st.apply()
 
 
