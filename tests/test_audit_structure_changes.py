@@ -23,46 +23,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import torchstruct as ts
-from _flags import consistent
+from _flags import consistent, flags
+from _models import EncDec, Net, trainable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
 CKPT_FORWARD = torch.utils.checkpoint.CheckpointFunction.__dict__["forward"]
-
-
-class Net(nn.Module):
-    def __init__(self, n=4):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(n))
-        self.extra = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
-        self.head = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        for layer in self.extra.values():
-            x = layer(x)
-        return self.head(x).sum()
-
-
-class EncDec(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
-        self.decoder = nn.Linear(3, 1)
-
-    def forward(self, x):
-        return self.decoder(self.encoder(x)).sum()
-
-
-
-def trainable(model):
-    return sorted(n for n, p in model.named_parameters() if p.requires_grad)
-
-
-def flags(mod):
-    return [p.requires_grad for p in mod.parameters()]
 
 
 def hook_total(model):
@@ -412,7 +379,6 @@ def test_a_registration_into_a_shared_module_applies_at_the_forward_of_its_first
     m.decoder[0].append(new)
     m.encoder(X)
     assert not any(flags(new)) and consistent(m)
-
 
 
 def test_a_waiting_change_applies_once_and_the_hooks_go():

@@ -15,28 +15,9 @@ from torch import nn
 
 import torchstruct as ts
 from _flags import consistent
+from _models import Net, trainable
 
 X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
-
-
-class Net(nn.Module):
-    def __init__(self, n=4):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(3, 3) for _ in range(n))
-        self.extra = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
-        self.head = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = torch.tanh(layer(x))
-        for layer in self.extra.values():
-            x = layer(x)
-        return self.head(x).sum()
-
-
-
-def trainable(model):
-    return sorted(n for n, p in model.named_parameters() if p.requires_grad)
 
 
 def new():

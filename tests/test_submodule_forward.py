@@ -14,19 +14,9 @@ from torch import nn
 
 import torchstruct as ts
 from _flags import consistent
+from _models import EncDec
 
 X = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
-
-
-class EncDec(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.encoder = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3)))
-        self.decoder = nn.Linear(3, 1)
-
-    def forward(self, x):
-        return self.decoder(self.encoder(x)).sum()
-
 
 
 def hook_counts(model):
