@@ -138,12 +138,23 @@ PyObject* without_gil(F&& call) {
 
 namespace {
 
+// The three optional scalings every step takes last: clip_coef, grad_scale, found_inf.
+struct Scalings {
+  Optional clip_coef, grad_scale, found_inf;
+
+  bool read(PyObject* clip_obj, PyObject* scale_obj, PyObject* inf_obj) {
+    return read_optional(clip_obj, "clip_coef", clip_coef) &&
+           read_optional(scale_obj, "grad_scale", grad_scale) &&
+           read_optional(inf_obj, "found_inf", found_inf);
+  }
+};
+
 struct SgdArgs {
   Tensors params, grads, bufs;
   OptionalTensors masks;
   double lr, momentum, dampening, weight_decay;
   int nesterov, maximize, first_step;
-  Optional clip_coef, grad_scale, found_inf;
+  Scalings sc;
 
   bool parse(PyObject* args) {
     PyObject *params_obj, *grads_obj, *bufs_obj, *masks_obj, *clip_obj, *scale_obj, *inf_obj;
@@ -153,9 +164,7 @@ struct SgdArgs {
            read_tensors(params_obj, "params", params) &&
            read_tensors(grads_obj, "grads", grads) &&
            read_tensors(bufs_obj, "momentum_buffers", bufs) && read_masks(masks_obj, masks) &&
-           read_optional(clip_obj, "clip_coef", clip_coef) &&
-           read_optional(scale_obj, "grad_scale", grad_scale) &&
-           read_optional(inf_obj, "found_inf", found_inf);
+           sc.read(clip_obj, scale_obj, inf_obj);
   }
 };
 
@@ -164,7 +173,7 @@ struct AdamwArgs {
   OptionalTensors masks;
   double lr, beta1, beta2, weight_decay, eps;
   int amsgrad, maximize;
-  Optional clip_coef, grad_scale, found_inf;
+  Scalings sc;
 
   bool parse(PyObject* args) {
     PyObject *params_obj, *grads_obj, *avgs_obj, *sqs_obj, *maxs_obj, *steps_obj, *masks_obj;
@@ -179,9 +188,7 @@ struct AdamwArgs {
            read_tensors(sqs_obj, "exp_avg_sqs", sqs) &&
            read_tensors(maxs_obj, "max_exp_avg_sqs", maxs) &&
            read_tensors(steps_obj, "steps", steps) && read_masks(masks_obj, masks) &&
-           read_optional(clip_obj, "clip_coef", clip_coef) &&
-           read_optional(scale_obj, "grad_scale", grad_scale) &&
-           read_optional(inf_obj, "found_inf", found_inf);
+           sc.read(clip_obj, scale_obj, inf_obj);
   }
 };
 
@@ -198,8 +205,8 @@ PyObject* sgd_step(PyObject* /*self*/, PyObject* args) {
                         double, double, double, double, bool, bool, bool, const Optional&,
                         const Optional&, const Optional&)>();
     op.call(a.params, a.grads, a.bufs, a.masks, a.lr, a.momentum, a.dampening, a.weight_decay,
-            a.nesterov != 0, a.maximize != 0, a.first_step != 0, a.clip_coef, a.grad_scale,
-            a.found_inf);
+            a.nesterov != 0, a.maximize != 0, a.first_step != 0, a.sc.clip_coef,
+            a.sc.grad_scale, a.sc.found_inf);
   });
 }
 
@@ -215,8 +222,8 @@ PyObject* adamw_step(PyObject* /*self*/, PyObject* args) {
                         double, double, double, bool, bool, const Optional&, const Optional&,
                         const Optional&)>();
     op.call(a.params, a.grads, a.avgs, a.sqs, a.maxs, a.steps, a.masks, a.lr, a.beta1, a.beta2,
-            a.weight_decay, a.eps, a.amsgrad != 0, a.maximize != 0, a.clip_coef, a.grad_scale,
-            a.found_inf);
+            a.weight_decay, a.eps, a.amsgrad != 0, a.maximize != 0, a.sc.clip_coef,
+            a.sc.grad_scale, a.sc.found_inf);
   });
 }
 
@@ -225,7 +232,7 @@ PyObject* check_sgd_step(PyObject* /*self*/, PyObject* args) {
   if (!a.parse(args)) return nullptr;
   HANDLE_TH_ERRORS
   check_sgd_inputs(a.params, a.grads, a.bufs, a.masks, a.lr, a.momentum, a.dampening,
-                   a.weight_decay, a.clip_coef, a.grad_scale, a.found_inf);
+                   a.weight_decay, a.sc.clip_coef, a.sc.grad_scale, a.sc.found_inf);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
@@ -235,15 +242,16 @@ PyObject* check_adamw_step(PyObject* /*self*/, PyObject* args) {
   if (!a.parse(args)) return nullptr;
   HANDLE_TH_ERRORS
   check_adamw_inputs(a.params, a.grads, a.avgs, a.sqs, a.maxs, a.steps, a.masks, a.lr, a.beta1,
-                     a.beta2, a.weight_decay, a.eps, a.amsgrad != 0, a.clip_coef, a.grad_scale,
-                     a.found_inf);
+                     a.beta2, a.weight_decay, a.eps, a.amsgrad != 0, a.sc.clip_coef,
+                     a.sc.grad_scale, a.sc.found_inf);
   Py_RETURN_NONE;
   END_HANDLE_TH_ERRORS
 }
 
 PyObject* common_device(PyObject* /*self*/, PyObject* tensors) {
   HANDLE_TH_ERRORS
-  if ((!PyList_Check(tensors) && !PyTuple_Check(tensors)) || PySequence_Fast_GET_SIZE(tensors) == 0) {
+  if ((!PyList_Check(tensors) && !PyTuple_Check(tensors)) ||
+      PySequence_Fast_GET_SIZE(tensors) == 0) {
     Py_RETURN_NONE;
   }
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors);
