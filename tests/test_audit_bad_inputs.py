@@ -1,0 +1,515 @@
+"""Audit of the error contract across the public API: every bad input gets a clear error
+naming the offending argument or path, and leaves flags, parameters, buffers, ``.grad``,
+optimizer state and torchstruct's own state exactly as they were (validation first); the
+model works afterwards, and a following valid call behaves as on a fresh model.
+
+Convention: a case where torchstruct breaks that promise (state changed before the error, an
+unclear or misleading error, or bad input silently accepted with a wrong or partial answer) is
+kept as a minimal test marked ``@pytest.mark.xfail(strict=True, reason=...)``, the reason
+saying what happens and what is expected. Every other test passes as an ordinary test.
+"""
+import copy
+import gc
+import math
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from torch import nn
+
+import torchstruct as ts
+from torchstruct import _state
+
+
+# ----------------------------------------------------------------------------- the model
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.bn(self.enc(x)).relu())
+
+
+X = torch.linspace(-1, 1, 12).reshape(3, 4)
+
+
+def fresh():
+    return Net()
+
+
+def with_grads(m):
+    m(X).square().sum().backward()
+    return m
+
+
+# ----------------------------------------------------------------------------- snapshots
+def _t(x):
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+def _internal(model):
+    """A fingerprint of torchstruct's own state as it concerns ``model``, matched by identity
+    (other models' state, which a collection may drop at any time, is left out)."""
+    mods = list(model.modules())
+    params = list(model.parameters())
+
+    def among(obj, objs):
+        return any(obj is o for o in objs)
+
+    def alive(ref):
+        return ref() if callable(ref) else ref
+
+    return dict(
+        records=[(i, r.base, r.written, r.since) for i, p in enumerate(params)
+                 for r in list(_state.records.values()) if r.p is p],
+        states=[i for i, m in enumerate(mods)
+                for st in list(_state.states.values()) if alive(st.root) is m],
+        entries=[(i, e.kind, e.selectors) for i, m in enumerate(mods)
+                 for e in list(_state.entries) if alive(e.scope) is m],
+        frozen_norms=[i for i, m in enumerate(mods)
+                      for v in list(_state.frozen_norms.values()) if alive(v[0]) is m],
+        guards=len(_state.flag_guards),
+        pre_hooks=[len(m._forward_pre_hooks) for m in mods],
+        post_hooks=[len(m._forward_hooks) for m in mods],
+        marks=[{k: v for k, v in m.__dict__.items() if k.startswith("_torchstruct")}
+               for m in mods],
+    )
+
+
+def snap(model, opt=None):
+    return dict(
+        flags=[(n, p.requires_grad) for n, p in model.named_parameters()],
+        data=[(n, _t(p)) for n, p in model.named_parameters()],
+        grad=[(n, _t(p.grad)) for n, p in model.named_parameters()],
+        buffers=[(n, _t(b)) for n, b in model.named_buffers()],
+        training=[m.training for m in model.modules()],
+        opt=None if opt is None else copy.deepcopy(opt.state_dict()),
+        internal=_internal(model),
+        reads=[n for n, _ in ts.trainable_parameters(model)],
+    )
+
+
+def _same(a, b):
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and (a.device.type == "meta" or torch.equal(a, b)))
+    return a == b
+
+
+def assert_unchanged(before, model, opt=None):
+    after = snap(model, opt)
+    changed = [k for k in before if not _same(before[k], after[k])]
+    assert not changed, f"a refused call changed {changed}"
+
+
+def behaviour(model):
+    """What a following valid call gives: flags inside a context and after, and gradients."""
+    with ts.freeze(model, "enc"):
+        inside = [p.requires_grad for p in model.parameters()]
+    after = [p.requires_grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(X).square().sum().backward()
+    grads = [_t(p.grad) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return inside, after, grads
+
+
+def assert_works(model):
+    """The model behaves afterwards exactly as a fresh one does."""
+    assert _same(behaviour(model), behaviour(fresh()))
+
+
+def refused(call, exc, *words, model=None, opt=None):
+    """``call()`` raises ``exc`` whose message names every one of ``words``; nothing changed."""
+    model = fresh() if model is None else model
+    before = snap(model, opt)
+    with pytest.raises(exc) as info:
+        call(model)
+    msg = str(info.value)
+    for w in words:
+        assert re.search(w, msg, re.I), f"message {msg!r} does not name {w!r}"
+    assert_unchanged(before, model, opt)
+    return msg
+
+
+# ----------------------------------------------------------------------------- preparations
+def _plain():
+    return fresh(), None
+
+
+def _stepped():
+    """A model mid-training: gradients present, an optimizer with state."""
+    m = with_grads(fresh())
+    opt = ts.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1)
+    opt.step()
+    return m, opt
+
+
+def _governed():
+    """A model torchstruct already governs: a permanent context and a declaration."""
+    m, opt = _stepped()
+    ts.freeze(m, "bn")
+    ts.mark_trainable(m.head, "weight")
+    return m, opt
+
+
+PREPS = {"plain": _plain, "stepped": _stepped, "governed": _governed}
+
+
+def follow_up(model, opt):
+    """A following valid call: flags in and after a context, gradients, one optimizer step."""
+    with ts.freeze(model, "enc"):
+        inside = [p.requires_grad for p in model.parameters()]
+    after = [p.requires_grad for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    model(X).square().sum().backward()
+    grads = [_t(p.grad) for p in model.parameters()]
+    out = [inside, after, grads]
+    if opt is not None:
+        opt.step()
+        out += [[_t(p) for p in model.parameters()], copy.deepcopy(opt.state_dict()["state"])]
+    return out
+
+
+def check_refused(prep, call, exc, words):
+    """``call(model, opt)`` on a model prepared by ``prep`` is refused with ``exc`` naming
+    ``words``; nothing changed; afterwards the model behaves as one never given the bad call."""
+    model, opt = PREPS[prep]()
+    before = snap(model, opt)
+    with pytest.raises(exc) as info:
+        call(model, opt)
+    msg = str(info.value)
+    for w in words:
+        assert re.search(w, msg, re.I), f"message {msg!r} does not name {w!r}"
+    assert_unchanged(before, model, opt)
+    assert _same(follow_up(model, opt), reference(prep))
+
+
+_REFERENCE = {}
+
+
+def reference(prep):
+    """``follow_up`` on a model prepared by ``prep`` and given no bad call (computed once)."""
+    if prep not in _REFERENCE:
+        _REFERENCE[prep] = follow_up(*PREPS[prep]())
+    return _REFERENCE[prep]
+
+
+OTHER = nn.Linear(4, 4)
+
+
+def _gen_selector(m, o):
+    return ts.freeze(m, (s for s in ["enc"]))
+
+
+def _loss(m):
+    return m(X).square().sum()
+
+
+# (id, call(model, opt), exception, words the message must contain)
+MODEL_CASES = [
+    # select
+    ("select-None", lambda m, o: ts.select(m, None), TypeError, ["selector", "NoneType"]),
+    ("select-int", lambda m, o: ts.select(m, 3), TypeError, ["selector", "int"]),
+    ("select-set", lambda m, o: ts.select(m, {"enc"}), TypeError, ["selector", "set"]),
+    ("select-bytes", lambda m, o: ts.select(m, b"enc"), TypeError, ["selector", "bytes"]),
+    ("select-plain-tensor", lambda m, o: ts.select(m, torch.zeros(2)), TypeError, ["Tensor"]),
+    ("select-empty-list", lambda m, o: ts.select(m, []), ValueError, ["empty"]),
+    ("select-nested-empty", lambda m, o: ts.select(m, ["enc", []]), ValueError, ["empty"]),
+    ("select-typo", lambda m, o: ts.select(m, "encc"), ValueError, ["'encc'", "'enc'"]),
+    ("select-empty-string", lambda m, o: ts.select(m, ""), ValueError, ["''", "closest"]),
+    ("select-regex-nothing", lambda m, o: ts.select(m, re.compile("zzz")), ValueError, ["zzz"]),
+    ("select-other-param", lambda m, o: ts.select(m, OTHER.weight), ValueError,
+     ["not a parameter of the model"]),
+    ("select-other-module", lambda m, o: ts.select(m, OTHER), ValueError,
+     ["Linear", "not a submodule"]),
+    ("select-model-not-module", lambda m, o: ts.select("enc", m), TypeError, ["nn.Module", "str"]),
+    ("select-generator", lambda m, o: ts.select(m, (s for s in ["enc"])), TypeError, ["generator"]),
+    ("select-callable-arity", lambda m, o: ts.select(m, lambda path: True), TypeError, ["argument"]),
+    # the flag contexts, as bare calls
+    ("freeze-None", lambda m, o: ts.freeze(m, None), TypeError, ["selector", "NoneType"]),
+    ("freeze-typo-after-good", lambda m, o: ts.freeze(m, "enc", "hed"), ValueError,
+     ["'hed'", "'head'"]),
+    ("freeze-model-list", lambda m, o: ts.freeze([m], "enc"), TypeError, ["freeze", "list"]),
+    ("freeze-model-None", lambda m, o: ts.freeze(None, "enc"), TypeError, ["freeze", "NoneType"]),
+    ("freeze-other-param", lambda m, o: ts.freeze(m, "enc", OTHER.weight), ValueError,
+     ["not a parameter"]),
+    ("freeze-empty-list", lambda m, o: ts.freeze(m, []), ValueError, ["empty"]),
+    ("freeze-generator", _gen_selector, TypeError, ["generator"]),
+    ("freeze-unknown-keyword", lambda m, o: ts.freeze(m, "enc", strcit=False), TypeError,
+     ["strcit"]),
+    ("freeze-fresh-module", lambda m, o: ts.freeze(m, nn.ReLU()), ValueError, ["ReLU"]),
+    ("freeze_except-no-selector", lambda m, o: ts.freeze_except(m), TypeError,
+     ["freeze_except", "selector"]),
+    ("freeze_except-None", lambda m, o: ts.freeze_except(m, None), TypeError, ["NoneType"]),
+    ("freeze_except-typo", lambda m, o: ts.freeze_except(m, "hed"), ValueError, ["'hed'"]),
+    ("freeze_except-empty-tuple", lambda m, o: ts.freeze_except(m, ()), ValueError, ["empty"]),
+    ("unfreeze-typo", lambda m, o: ts.unfreeze(m, "hed"), ValueError, ["'hed'"]),
+    ("unfreeze-regex-typo", lambda m, o: ts.unfreeze(m, re.compile(r"hed\..*")), ValueError,
+     ["hed"]),
+    ("unfreeze-other-module", lambda m, o: ts.unfreeze(m, OTHER), ValueError, ["Linear"]),
+    # the same as `with` blocks: refused at construction, the block never entered
+    ("with-freeze-typo", lambda m, o: ts.freeze(m, "hed").__enter__(), ValueError, ["'hed'"]),
+    # declarations
+    ("mark-typo", lambda m, o: ts.mark_trainable(m, "enc", "hed"), ValueError, ["'hed'", "head"]),
+    ("mark-int", lambda m, o: ts.mark_trainable(m, 3), TypeError, ["names", "int"]),
+    ("mark-None-and-name", lambda m, o: ts.mark_trainable(m, None, "enc"), TypeError,
+     ["NoneType"]),
+    ("mark-dotted-path", lambda m, o: ts.mark_trainable(m, "enc.weight"), ValueError,
+     ["'enc.weight'"]),
+    ("mark-list", lambda m, o: ts.mark_trainable(m, ["enc"]), TypeError, ["list"]),
+    ("mark-module-object", lambda m, o: ts.mark_trainable(m, m.enc), TypeError, ["Linear"]),
+    ("mark-empty-string", lambda m, o: ts.mark_trainable(m, ""), ValueError, ["''"]),
+    ("mark-not-module", lambda m, o: ts.mark_trainable("enc"), TypeError, ["nn.Module", "str"]),
+    # reads
+    ("is_trainable-typo", lambda m, o: ts.is_trainable(m, "enc.wieght"), ValueError,
+     ["'enc.wieght'", "'enc.weight'"]),
+    ("is_trainable-module-path", lambda m, o: ts.is_trainable(m, "enc"), ValueError, ["'enc'"]),
+    ("is_trainable-buffer-path", lambda m, o: ts.is_trainable(m, "bn.running_mean"), ValueError,
+     ["running_mean"]),
+    ("is_trainable-other", lambda m, o: ts.is_trainable(m, OTHER.weight), ValueError,
+     ["not a parameter"]),
+    ("is_trainable-buffer", lambda m, o: ts.is_trainable(m, m.bn.running_mean), ValueError,
+     ["not a parameter"]),
+    ("is_trainable-None", lambda m, o: ts.is_trainable(m, None), TypeError, ["NoneType"]),
+    ("is_trainable-module", lambda m, o: ts.is_trainable(m, m.enc), TypeError, ["Linear"]),
+    ("trainable_parameters-list", lambda m, o: ts.trainable_parameters([m]), TypeError,
+     ["nn.Module", "list"]),
+    ("summary-None", lambda m, o: ts.summary(None), TypeError, ["summary", "NoneType"]),
+    ("summary-depth-negative", lambda m, o: ts.summary(m, -1), TypeError, ["max_depth"]),
+    ("summary-depth-str", lambda m, o: ts.summary(m, "2"), TypeError, ["max_depth"]),
+    ("summary-depth-float", lambda m, o: ts.summary(m, 1.5), TypeError, ["max_depth"]),
+    ("summary-depth-bool", lambda m, o: ts.summary(m, True), TypeError, ["max_depth"]),
+    # hooks
+    ("attach-None", lambda m, o: ts.attach(None), TypeError, ["nn.Module", "NoneType"]),
+    ("attach-norm-option-int", lambda m, o: ts.attach(m, freeze_norm_stats=1), TypeError,
+     ["freeze_norm_stats"]),
+    ("attach-norm-option-str", lambda m, o: ts.attach(m, freeze_norm_stats="no"), TypeError,
+     ["freeze_norm_stats"]),
+    ("detach-int", lambda m, o: ts.detach_hooks(3), TypeError, ["detach_hooks", "int"]),
+    # blocks
+    ("stop_gradient-typo", lambda m, o: ts.stop_gradient(m, "hed"), ValueError, ["'hed'"]),
+    ("stop_gradient-None", lambda m, o: ts.stop_gradient(m, None), TypeError, ["NoneType"]),
+    ("stop_gradient-empty", lambda m, o: ts.stop_gradient(m, []), ValueError, ["empty"]),
+    ("stop_gradient-other", lambda m, o: ts.stop_gradient(m, OTHER), ValueError, ["Linear"]),
+    ("constant-typo", lambda m, o: ts.constant(m, "hed"), ValueError, ["'hed'"]),
+    ("constant-model-None", lambda m, o: ts.constant(None, "enc"), TypeError, ["constant"]),
+    ("swap-None", lambda m, o: ts.swap(m, None), TypeError, ["swap", "tree"]),
+    ("swap-list", lambda m, o: ts.swap(m, [torch.zeros(4, 4)]), TypeError, ["swap", "list"]),
+    ("swap-typo", lambda m, o: ts.swap(m, {"enc": {"wieght": torch.zeros(4, 4)}}), ValueError,
+     ["'enc.wieght'", "'enc.weight'"]),
+    ("swap-shape", lambda m, o: ts.swap(m, {"enc.weight": torch.zeros(3, 4)}), ValueError,
+     ["'enc.weight'", "shape"]),
+    ("swap-dtype", lambda m, o: ts.swap(m, {"enc.weight": torch.zeros(4, 4).double()}),
+     ValueError, ["'enc.weight'", "dtype"]),
+    ("swap-int-dtype", lambda m, o: ts.swap(m, {"enc.weight": torch.zeros(4, 4).long()}),
+     ValueError, ["'enc.weight'", "int64"]),
+    ("swap-meta", lambda m, o: ts.swap(m, {"enc.weight": torch.zeros(4, 4, device="meta")}),
+     ValueError, ["'enc.weight'", "meta"]),
+    ("swap-list-leaf", lambda m, o: ts.swap(m, {"enc.weight": [[0.0] * 4] * 4}), TypeError,
+     ["'enc.weight'"]),
+    ("swap-buffer", lambda m, o: ts.swap(m, {"bn.running_mean": torch.zeros(4)}), ValueError,
+     ["'bn.running_mean'", "buffer"]),
+    ("swap-module-key", lambda m, o: ts.swap(m, {"enc": torch.zeros(4, 4)}), ValueError,
+     ["'enc'"]),
+    ("swap-good-then-bad", lambda m, o: ts.swap(m, {"enc.weight": torch.zeros(4, 4),
+                                                    "head.bias": torch.zeros(3)}),
+     ValueError, ["'head.bias'"]),
+    # clipping and norms (plain PyTorch refuses these too, see test_clip_refusals_match_torch)
+    ("clip-negative", lambda m, o: ts.clip_by_global_norm(m, -1.0), ValueError, ["max_norm"]),
+    ("clip-nan", lambda m, o: ts.clip_by_global_norm(m, float("nan")), ValueError, ["max_norm"]),
+    ("clip-None", lambda m, o: ts.clip_by_global_norm(m, None), ValueError, ["max_norm"]),
+    ("clip-vector-max-norm", lambda m, o: ts.clip_by_global_norm(m, torch.tensor([1.0, 2.0])),
+     ValueError, ["max_norm"]),
+    ("clip-norm-type-0", lambda m, o: ts.clip_by_global_norm(m, 1.0, 0), ValueError,
+     ["norm_type"]),
+    ("clip-norm-type--inf", lambda m, o: ts.clip_by_global_norm(m, 1.0, float("-inf")),
+     ValueError, ["norm_type"]),
+    ("clip-norm-type-None", lambda m, o: ts.clip_by_global_norm(m, 1.0, None), ValueError,
+     ["norm_type"]),
+    ("clip-norm-type-fro", lambda m, o: ts.clip_by_global_norm(m, 1.0, "fro"), ValueError,
+     ["norm_type"]),
+    ("clip-list-with-None", lambda m, o: ts.clip_by_global_norm([m.enc.weight, None], 0.01),
+     TypeError, [r"parameters\[1\]", "NoneType"]),
+    ("clip-list-with-module", lambda m, o: ts.clip_by_global_norm(
+        [m.enc.weight, m.head], 0.01), TypeError, [r"parameters\[1\]", "Linear"]),
+    ("clip-None-params", lambda m, o: ts.clip_by_global_norm(None, 1.0), TypeError, ["NoneType"]),
+    ("clip-str-params", lambda m, o: ts.clip_by_global_norm("enc", 1.0), TypeError, ["str"]),
+    ("global_norm-None", lambda m, o: ts.global_norm(None), TypeError, ["NoneType"]),
+    ("global_norm-int", lambda m, o: ts.global_norm(3), TypeError, ["int"]),
+    ("global_norm-norm-type-0", lambda m, o: ts.global_norm(m, 0), ValueError, ["norm_type"]),
+    ("global_norm-norm-type-nan", lambda m, o: ts.global_norm(m, float("nan")), ValueError,
+     ["norm_type"]),
+    ("global_norm-list-None", lambda m, o: ts.global_norm([m.enc.weight, None]), TypeError,
+     ["element 1", "NoneType"]),
+    ("global_norm-int-tensor", lambda m, o: ts.global_norm([torch.ones(3).long()]), TypeError,
+     ["int64"]),
+    ("global_norm-bool-tensor", lambda m, o: ts.global_norm([torch.ones(3).bool()]), TypeError,
+     ["bool"]),
+    ("global_norm-complex", lambda m, o: ts.global_norm([torch.ones(3, dtype=torch.complex64)]),
+     TypeError, ["complex64"]),
+    ("global_norm-tree-float", lambda m, o: ts.global_norm({"a": 2.0}), TypeError, ["'a'"]),
+    # walks
+    ("polyak-tau-negative", lambda m, o: ts.polyak_update(m, fresh(), -0.1), ValueError, ["tau"]),
+    ("polyak-tau-above-1", lambda m, o: ts.polyak_update(m, fresh(), 1.5), ValueError, ["tau"]),
+    ("polyak-tau-nan", lambda m, o: ts.polyak_update(m, fresh(), float("nan")), ValueError,
+     ["tau"]),
+    ("polyak-tau-inf", lambda m, o: ts.polyak_update(m, fresh(), float("inf")), ValueError,
+     ["tau"]),
+    ("polyak-tau-None", lambda m, o: ts.polyak_update(m, fresh(), None), TypeError, ["tau"]),
+    ("polyak-tau-str", lambda m, o: ts.polyak_update(m, fresh(), "0.5"), TypeError, ["tau"]),
+    ("polyak-tau-bool", lambda m, o: ts.polyak_update(m, fresh(), True), TypeError, ["tau"]),
+    ("polyak-tau-vector", lambda m, o: ts.polyak_update(m, fresh(), torch.tensor([0.5, 0.5])),
+     ValueError, ["tau"]),
+    ("polyak-other-architecture", lambda m, o: ts.polyak_update(m, nn.Linear(4, 4), 0.5),
+     ValueError, ["'enc.weight'"]),
+    ("polyak-tree-missing", lambda m, o: ts.polyak_update(m, {"enc.weight": torch.zeros(4, 4)},
+                                                          0.5), ValueError, ["'enc.bias'"]),
+    ("polyak-tree-extra", lambda m, o: ts.polyak_update(m, {**{k: v.detach().clone() for k, v in
+                                                              m.named_parameters()},
+                                                           "zzz": torch.zeros(1)}, 0.5),
+     ValueError, ["'zzz'"]),
+    ("polyak-tree-shape-last", lambda m, o: ts.polyak_update(m, {**{k: v.detach().clone() for k, v
+                                                                   in m.named_parameters()},
+                                                                "enc.bias": torch.zeros(3)},
+                                                             0.5), ValueError, ["'enc.bias'"]),
+    ("polyak-tree-dtype", lambda m, o: ts.polyak_update(m, {k: v.detach().double() for k, v in
+                                                            m.named_parameters()}, 0.5),
+     ValueError, ["float64"]),
+    ("polyak-source-None", lambda m, o: ts.polyak_update(m, None, 0.5), TypeError, ["source"]),
+    ("polyak-target-dict", lambda m, o: ts.polyak_update({"a": 1}, m, 0.5), TypeError,
+     ["nn.Module"]),
+    ("map_trainable-model-None", lambda m, o: ts.map_trainable(lambda p: p, None), TypeError,
+     ["map_trainable"]),
+    ("map_trainable-tree-missing", lambda m, o: ts.map_trainable(
+        lambda p, t: p + t, m, {"enc.weight": torch.zeros(4, 4)}), ValueError, ["'enc.bias'"]),
+    ("map_trainable-f-returns-int", lambda m, o: ts.map_trainable(lambda p: 3, m), TypeError,
+     ["'enc.weight'"]),
+    # structural gradients (the losses computed before the call, or refused before a forward)
+    ("sg-loss-None", lambda m, o: ts.structural_grad(m, None), TypeError, ["loss"]),
+    ("sg-loss-float", lambda m, o: ts.structural_grad(m, 3.0), TypeError, ["loss", "float"]),
+    ("sg-loss-constant", lambda m, o: ts.structural_grad(m, torch.tensor(1.0)), ValueError,
+     ["'enc.weight'"]),
+    ("sg-loss-int", lambda m, o: ts.structural_grad(m, torch.tensor(3)), ValueError, ["loss"]),
+    ("sg-loss-other-model", lambda m, o: ts.structural_grad(m, OTHER(X).sum()), ValueError,
+     ["enc.weight", "another model"]),
+    ("sg-wrt-typo", lambda m, o: ts.structural_grad(m, _loss, wrt="hed"), ValueError, ["'hed'"]),
+    ("sg-wrt-empty", lambda m, o: ts.structural_grad(m, _loss, wrt=[]), ValueError, ["empty"]),
+    ("sg-wrt-other", lambda m, o: ts.structural_grad(m, _loss, wrt=OTHER.weight), ValueError,
+     ["not a parameter"]),
+    ("sg-model-None", lambda m, o: ts.structural_grad(None, _loss), TypeError, ["nn.Module"]),
+    ("vag-fn-None", lambda m, o: ts.value_and_grad(None, m), TypeError, ["fn", "callable"]),
+    ("vag-wrt-typo", lambda m, o: ts.value_and_grad(_loss, m, wrt="hed"), ValueError, ["'hed'"]),
+    ("grad_tree-None", lambda m, o: ts.grad_tree(None), TypeError, ["grad_tree"]),
+    ("within-None", lambda m, o: ts.within_gradient(None), TypeError, ["argument 0"]),
+    ("within-list", lambda m, o: ts.within_gradient(m.enc.weight, [m.enc.weight]), TypeError,
+     ["argument 1", "list"]),
+    # groups
+    ("pg-rule-not-pair", lambda m, o: ts.param_groups(m, "enc"), TypeError, ["rule 0"]),
+    ("pg-rule-triple", lambda m, o: ts.param_groups(m, ("enc", {"lr": 1}, 1)), TypeError,
+     ["rule 0"]),
+    ("pg-rule-typo", lambda m, o: ts.param_groups(m, ("enc", {}), ("encc", {"lr": 1})),
+     ValueError, ["rule 1", "'encc'"]),
+    ("pg-options-float", lambda m, o: ts.param_groups(m, ("enc", 0.1)), TypeError,
+     ["rule 0", "options"]),
+    ("pg-options-params", lambda m, o: ts.param_groups(m, ("enc", {"params": []})), ValueError,
+     ["'params'"]),
+    ("pg-options-unknown", lambda m, o: ts.param_groups(m, ("enc", {"lrr": 0.1})), ValueError,
+     ["'lrr'", "'lr'"]),
+    ("pg-weight-decay-negative", lambda m, o: ts.param_groups(m, weight_decay=-1), ValueError,
+     ["weight_decay"]),
+    ("pg-weight-decay-nan", lambda m, o: ts.param_groups(m, weight_decay=float("nan")),
+     ValueError, ["weight_decay"]),
+    ("pg-weight-decay-str", lambda m, o: ts.param_groups(m, weight_decay="0.1"), TypeError,
+     ["weight_decay"]),
+    ("pg-lr-negative", lambda m, o: ts.param_groups(m, ("enc", {"lr": -1.0})), ValueError,
+     ["rule 0", "lr"]),
+    ("pg-lr-nan", lambda m, o: ts.param_groups(m, ("enc", {"lr": float("nan")})), ValueError,
+     ["lr"]),
+    ("pg-lr-scale-negative", lambda m, o: ts.param_groups(m, ("enc", {"lr_scale": -1.0})),
+     ValueError, ["lr_scale"]),
+    ("pg-lr-scale-bool", lambda m, o: ts.param_groups(m, ("enc", {"lr_scale": True})),
+     TypeError, ["lr_scale"]),
+    ("pg-no-decay-typo", lambda m, o: ts.param_groups(m, no_decay="biass"), ValueError,
+     ["no_decay", "'biass'"]),
+    ("pg-no-decay-int", lambda m, o: ts.param_groups(m, no_decay=3), TypeError, ["no_decay"]),
+    ("pg-no-decay-empty", lambda m, o: ts.param_groups(m, no_decay=[]), ValueError,
+     ["no_decay", "empty"]),
+    ("pg-name-int", lambda m, o: ts.param_groups(m, ("enc", {"name": 3})), TypeError, ["name"]),
+    ("pg-model-None", lambda m, o: ts.param_groups(None), TypeError, ["param_groups"]),
+    ("layer_decay-0", lambda m, o: ts.layer_decay(m, 0.0), ValueError, ["decay"]),
+    ("layer_decay-negative", lambda m, o: ts.layer_decay(m, -0.5), ValueError, ["decay"]),
+    ("layer_decay-nan", lambda m, o: ts.layer_decay(m, float("nan")), ValueError, ["decay"]),
+    ("layer_decay-above-1", lambda m, o: ts.layer_decay(m, 2.0), ValueError, ["decay"]),
+    ("layer_decay-bool", lambda m, o: ts.layer_decay(m, True), TypeError, ["decay"]),
+    ("layer_decay-str", lambda m, o: ts.layer_decay(m, "0.5"), TypeError, ["decay"]),
+    ("layer_decay-layers-typo", lambda m, o: ts.layer_decay(m, 0.5, layers="encc"), ValueError,
+     ["'encc'", "'enc'"]),
+    ("layer_decay-layers-not-stack", lambda m, o: ts.layer_decay(m, 0.5, layers="enc"),
+     ValueError, ["'enc'", "ModuleList"]),
+    ("layer_decay-no-stack", lambda m, o: ts.layer_decay(m, 0.5), ValueError, ["layers="]),
+    # schedule
+    ("sched-empty", lambda m, o: ts.UnfreezeSchedule(m, {}), ValueError, ["empty"]),
+    ("sched-None", lambda m, o: ts.UnfreezeSchedule(m, None), TypeError, ["milestones"]),
+    ("sched-list", lambda m, o: ts.UnfreezeSchedule(m, [(0, "head")]), TypeError,
+     ["milestones"]),
+    ("sched-negative-step", lambda m, o: ts.UnfreezeSchedule(m, {-1: "head"}), ValueError,
+     ["-1"]),
+    ("sched-float-step", lambda m, o: ts.UnfreezeSchedule(m, {1.5: "head"}), TypeError, ["1.5"]),
+    ("sched-bool-step", lambda m, o: ts.UnfreezeSchedule(m, {True: "head"}), TypeError,
+     ["True"]),
+    ("sched-str-step", lambda m, o: ts.UnfreezeSchedule(m, {"0": "head"}), TypeError, ["'0'"]),
+    ("sched-typo-later", lambda m, o: ts.UnfreezeSchedule(m, {0: "head", 5: "encc"}),
+     ValueError, ["milestone 5", "'encc'"]),
+    ("sched-empty-list", lambda m, o: ts.UnfreezeSchedule(m, {0: []}), ValueError,
+     ["milestone 0", "empty"]),
+    ("sched-int-value", lambda m, o: ts.UnfreezeSchedule(m, {0: 3}), TypeError,
+     ["milestone 0", "int"]),
+    ("sched-model-None", lambda m, o: ts.UnfreezeSchedule(None, {0: "head"}), TypeError,
+     ["nn.Module"]),
+    # trainable-only checkpoints
+    ("state_dict-None", lambda m, o: ts.state_dict(None), TypeError, ["state_dict"]),
+    ("load-None", lambda m, o: ts.load_state_dict(m, None), TypeError, ["state"]),
+    ("load-list", lambda m, o: ts.load_state_dict(m, list(ts.state_dict(m).items())), TypeError,
+     ["mapping"]),
+    ("load-typo", lambda m, o: ts.load_state_dict(m, {**ts.state_dict(m),
+                                                      "enc.wieght": torch.zeros(4, 4)}),
+     ValueError, ["'enc.wieght'", "'enc.weight'"]),
+    ("load-missing", lambda m, o: ts.load_state_dict(m, {"enc.weight": torch.zeros(4, 4)}),
+     ValueError, ["missing", "'enc.bias'"]),
+    ("load-shape-last", lambda m, o: ts.load_state_dict(m, {**_zeros(m),
+                                                            "head.bias": torch.zeros(3)}),
+     ValueError, ["'head.bias'", "shape"]),
+    ("load-dtype-last", lambda m, o: ts.load_state_dict(m, {**_zeros(m),
+                                                            "head.bias": torch.zeros(2).double()}),
+     ValueError, ["'head.bias'", "dtype"]),
+    ("load-int-buffer-as-float", lambda m, o: ts.load_state_dict(
+        m, {**_zeros(m), "bn.num_batches_tracked": torch.tensor(0.0)}), ValueError,
+     ["'bn.num_batches_tracked'"]),
+    ("load-list-value", lambda m, o: ts.load_state_dict(m, {**_zeros(m), "head.bias": [0.0, 0.0]}),
+     ValueError, ["'head.bias'"]),
+    ("load-meta-value", lambda m, o: ts.load_state_dict(
+        m, {**_zeros(m), "head.bias": torch.zeros(2, device="meta")}), ValueError,
+     ["'head.bias'", "meta"]),
+    ("load-nested-tree", lambda m, o: ts.load_state_dict(m, ts.tree.from_flat_dict(_zeros(m))),
+     ValueError, ["'enc'"]),
+]
+
+
+def _zeros(m):
+    return {k: torch.zeros_like(v) for k, v in ts.state_dict(m).items()}
+
+
+@pytest.mark.parametrize("prep", ["plain", "governed"])
+@pytest.mark.parametrize("name,call,exc,words", MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
+def test_refused_and_nothing_changed(prep, name, call, exc, words):
+    check_refused(prep, call, exc, words)
