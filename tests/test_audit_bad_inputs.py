@@ -101,7 +101,11 @@ def _same(a, b):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and (a.device.type == "meta" or torch.equal(a, b)))
+                and (a.device.type == "meta" or torch.equal(a, b)
+                     or bool(torch.equal(a.isnan(), b.isnan())
+                             and torch.equal(a.nan_to_num(), b.nan_to_num()))))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
     return a == b
 
 
@@ -513,3 +517,135 @@ def _zeros(m):
 @pytest.mark.parametrize("name,call,exc,words", MODEL_CASES, ids=[c[0] for c in MODEL_CASES])
 def test_refused_and_nothing_changed(prep, name, call, exc, words):
     check_refused(prep, call, exc, words)
+
+
+def test_the_snapshot_sees_changes():
+    """The fingerprint is not blind: attaching, a bare freeze, a declaration and a step all
+    show up in it."""
+    m, opt = _stepped()
+    before = snap(m, opt)
+    ts.attach(m)
+    assert not _same(before["internal"], snap(m, opt)["internal"])
+    for change in (lambda: ts.freeze(m, "bn"), lambda: ts.mark_trainable(m.head, "weight"),
+                   lambda: opt.step(), lambda: setattr(m.enc.weight, "grad", None)):
+        before = snap(m, opt)
+        change()
+        assert not _same(before, snap(m, opt))
+
+
+# ----------------------------------------------------------------------------- optimizers
+def _sd_with(opt, edit):
+    sd = copy.deepcopy(opt.state_dict())
+    edit(sd)
+    return sd
+
+
+OPT_CASES = [
+    ("AdamW-lr-negative", lambda m, o: ts.optim.AdamW(m.parameters(), lr=-1), ValueError, ["lr"]),
+    ("AdamW-lr-nan", lambda m, o: ts.optim.AdamW(m.parameters(), lr=float("nan")), ValueError,
+     ["lr"]),
+    ("AdamW-lr-None", lambda m, o: ts.optim.AdamW(m.parameters(), lr=None), ValueError, ["lr"]),
+    ("AdamW-beta-1", lambda m, o: ts.optim.AdamW(m.parameters(), betas=(1.0, 0.9)), ValueError,
+     [r"betas\[0\]"]),
+    ("AdamW-betas-triple", lambda m, o: ts.optim.AdamW(m.parameters(), betas=(0.9,) * 3),
+     ValueError, ["betas"]),
+    ("AdamW-beta-nan", lambda m, o: ts.optim.AdamW(m.parameters(), betas=(float("nan"), 0.9)),
+     ValueError, [r"betas\[0\]"]),
+    ("AdamW-eps-negative", lambda m, o: ts.optim.AdamW(m.parameters(), eps=-1), ValueError,
+     ["eps"]),
+    ("AdamW-wd-nan", lambda m, o: ts.optim.AdamW(m.parameters(), weight_decay=float("nan")),
+     ValueError, ["weight_decay"]),
+    ("AdamW-clip-negative", lambda m, o: ts.optim.AdamW(m.parameters(), max_grad_norm=-1),
+     ValueError, ["max_grad_norm"]),
+    ("AdamW-clip-nan", lambda m, o: ts.optim.AdamW(m.parameters(), max_grad_norm=float("nan")),
+     ValueError, ["max_grad_norm"]),
+    ("AdamW-norm-type-0", lambda m, o: ts.optim.AdamW(m.parameters(), max_grad_norm=1.0,
+                                                      norm_type=0), ValueError, ["norm_type"]),
+    ("AdamW-params-None", lambda m, o: ts.optim.AdamW(None), TypeError, ["NoneType"]),
+    ("AdamW-params-model", lambda m, o: ts.optim.AdamW(m), TypeError, ["Net"]),
+    ("AdamW-params-consumed", lambda m, o: [ts.optim.AdamW(g) for g in [m.parameters()] * 2],
+     ValueError, ["empty parameter list"]),
+    ("AdamW-mask-shape", lambda m, o: ts.optim.AdamW(m.parameters(), masks={
+        m.enc.weight: torch.ones(3, dtype=torch.bool)}), ValueError, ["shape", r"\(4, 4\)"]),
+    ("AdamW-mask-dtype", lambda m, o: ts.optim.AdamW(m.parameters(), masks={
+        m.enc.weight: torch.ones(4, 4)}), ValueError, ["torch.bool"]),
+    ("AdamW-mask-other-param", lambda m, o: ts.optim.AdamW(m.parameters(), masks={
+        OTHER.weight: torch.ones(4, 4, dtype=torch.bool)}), ValueError, ["not a parameter"]),
+    ("AdamW-mask-by-unknown-path", lambda m, o: ts.optim.AdamW(m.parameters(), masks={
+        "enc.weight": torch.ones(4, 4, dtype=torch.bool)}), ValueError, ["'enc.weight'"]),
+    ("SGD-nesterov-no-momentum", lambda m, o: ts.optim.SGD(m.parameters(), lr=0.1, nesterov=True),
+     ValueError, ["Nesterov"]),
+    ("SGD-momentum-negative", lambda m, o: ts.optim.SGD(m.parameters(), lr=0.1, momentum=-0.5),
+     ValueError, ["momentum"]),
+    ("SGD-dampening-nan", lambda m, o: ts.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                                    dampening=float("nan")), ValueError,
+     ["dampening"]),
+    ("add-group-duplicate", lambda m, o: o.add_param_group({"params": [m.enc.weight]}),
+     ValueError, ["more than one parameter group"]),
+    ("add-group-lr-negative", lambda m, o: o.add_param_group({"params": [OTHER.weight],
+                                                              "lr": -1}), ValueError,
+     ["group 1", "lr"]),
+    ("add-group-lr-scale-negative", lambda m, o: o.add_param_group(
+        {"params": [OTHER.weight], "lr_scale": -1}), ValueError, ["group 1", "lr_scale"]),
+    ("add-group-complex", lambda m, o: o.add_param_group(
+        {"params": [nn.Parameter(torch.zeros(2, dtype=torch.complex64))]}), TypeError,
+     ["complex"]),
+    ("add-group-non-leaf", lambda m, o: o.add_param_group({"params": [OTHER.weight * 2]}),
+     ValueError, ["non-leaf"]),
+    ("step-closure-raises", lambda m, o: o.step(lambda: 1 / 0), ZeroDivisionError, []),
+    ("step-sparse-grad", lambda m, o: (setattr(m.enc.bias, "grad", torch.zeros(4).to_sparse()),
+                                       o.step()), RuntimeError, ["sparse"]),
+    ("load-None", lambda m, o: o.load_state_dict(None), Exception, []),
+    ("load-no-groups", lambda m, o: o.load_state_dict({"state": {}, "param_groups": []}),
+     ValueError, ["parameter groups"]),
+    ("load-other-sizes", lambda m, o: o.load_state_dict(
+        ts.optim.AdamW(m.head.parameters()).state_dict()), ValueError, ["size"]),
+    ("load-state-shape", lambda m, o: o.load_state_dict(_sd_with(o, lambda sd: sd["state"][0]
+                                                                 .__setitem__("exp_avg",
+                                                                              torch.zeros(3)))),
+     ValueError, ["exp_avg", "shape"]),
+    ("load-mask-shape", lambda m, o: o.load_state_dict(_sd_with(o, lambda sd: sd.__setitem__(
+        "masks", {0: torch.ones(3, dtype=torch.bool)}))), ValueError, ["shape"]),
+    ("load-mask-unknown-index", lambda m, o: o.load_state_dict(_sd_with(o, lambda sd: sd.__setitem__(
+        "masks", {99: torch.ones(3, dtype=torch.bool)}))), ValueError, ["99"]),
+    ("load-masks-list", lambda m, o: o.load_state_dict(_sd_with(o, lambda sd: sd.__setitem__(
+        "masks", [torch.ones(4, 4, dtype=torch.bool)]))), ValueError, ["masks", "dict"]),
+]
+
+
+@pytest.mark.parametrize("name,call,exc,words", OPT_CASES, ids=[c[0] for c in OPT_CASES])
+def test_optimizer_refusals_change_nothing(name, call, exc, words):
+    if name == "step-sparse-grad":  # the sparse gradient is the bad input; set it first
+        m, o = _stepped()
+        m.enc.bias.grad = torch.zeros(4).to_sparse()
+        before = snap(m, o)
+        before["grad"] = [(n, g.to_dense() if g is not None and g.is_sparse else g)
+                          for n, g in before["grad"]]
+        with pytest.raises(RuntimeError, match="sparse"):
+            o.step()
+        after = snap(m, o)
+        after["grad"] = [(n, g.to_dense() if g is not None and g.is_sparse else g)
+                         for n, g in after["grad"]]
+        assert _same(before, after)
+        return
+    check_refused("stepped", call, exc, words)
+
+
+@pytest.mark.parametrize("field,value", [("lr", float("nan")), ("lr", -1.0), ("lr_scale", -1.0),
+                                         ("betas", (0.9,)), ("eps", float("nan")),
+                                         ("weight_decay", -0.1)])
+def test_a_group_edited_badly_is_refused_at_step(field, value):
+    """A scheduler or the user writes a bad hyper-parameter into a group: the step refuses it
+    naming the field and changes nothing; put back, the step is the one a fresh run takes."""
+    m, o = _stepped()
+    old = o.param_groups[0].get(field)
+    o.param_groups[0][field] = value
+    before = snap(m, o)
+    with pytest.raises(ValueError, match=field):
+        o.step()
+    assert_unchanged(before, m, o)
+    if old is None:
+        del o.param_groups[0][field]
+    else:
+        o.param_groups[0][field] = old
+    assert _same(follow_up(m, o), reference("stepped"))
