@@ -649,3 +649,266 @@ def test_a_group_edited_badly_is_refused_at_step(field, value):
     else:
         o.param_groups[0][field] = old
     assert _same(follow_up(m, o), reference("stepped"))
+
+
+# ----------------------------------------------------------------------------- `with` blocks
+BLOCKS = {
+    "freeze": lambda m: ts.freeze(m, "enc"),
+    "freeze_except": lambda m: ts.freeze_except(m, "head"),
+    "unfreeze": lambda m: ts.unfreeze(m, "bn"),
+    "stop_gradient": lambda m: ts.stop_gradient(m, "enc"),
+    "constant": lambda m: ts.constant(m, "head"),
+    "swap": lambda m: ts.swap(m, {"enc.weight": torch.zeros(4, 4)}),
+    "nested": lambda m: _Nested(m),
+}
+
+
+class _Nested:
+    def __init__(self, m):
+        self.m = m
+
+    def __enter__(self):
+        self.stack = [ts.freeze_except(self.m, "head", "bn"), ts.unfreeze(self.m, "enc"),
+                      ts.stop_gradient(self.m, "enc"), ts.constant(self.m, "head")]
+        for c in self.stack:
+            c.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for c in reversed(self.stack):
+            c.__exit__(*exc)
+        return False
+
+
+def _after_block(kind, raise_):
+    m, opt = _governed()
+    with pytest.raises(BaseException) if raise_ else _nothing():
+        with BLOCKS[kind](m):
+            m(X).sum().backward()
+            if raise_:
+                raise raise_
+    return m, opt
+
+
+def portable(s):
+    """A snapshot comparable across two models: serial numbers (global counters) dropped."""
+    s = dict(s, internal=dict(s["internal"]))
+    i = s["internal"]
+    i["records"] = [(k, base, written, bool(since)) for k, base, written, since in i["records"]]
+    i["marks"] = [{k: v[0] if isinstance(v, tuple) else v for k, v in d.items()}
+                  for d in i["marks"]]
+    return s
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("exc", [KeyboardInterrupt, SystemExit, GeneratorExit, ValueError],
+                         ids=lambda e: e.__name__)
+@pytest.mark.parametrize("kind", sorted(BLOCKS))
+def test_a_block_left_by_any_exception_restores_as_a_normal_exit(kind, exc):
+    """A ``KeyboardInterrupt`` (or any BaseException) inside a block leaves the model exactly
+    as leaving the block normally does: flags, parameters, torchstruct's state."""
+    raised, _ = _after_block(kind, exc())
+    normal, _ = _after_block(kind, None)
+    a, b = portable(snap(raised)), portable(snap(normal))
+    assert _same(a, b)
+    assert _same(follow_up(raised, None), follow_up(normal, None))
+
+
+@pytest.mark.parametrize("kind", sorted(set(BLOCKS) - {"nested"}))
+def test_a_decorated_function_that_raises_restores(kind):
+    """Decorating applies nothing; a decorated function interrupted by a BaseException
+    leaves everything as before the call."""
+    m, _ = _governed()
+    before = snap(m)
+
+    @BLOCKS[kind](m)
+    def body():
+        m(X).sum()
+        raise KeyboardInterrupt
+
+    assert _same(before, snap(m))
+    with pytest.raises(KeyboardInterrupt):
+        body()
+    after = snap(m)
+    before.pop("buffers"), after.pop("buffers")  # the body's forward (unfrozen norm) moves them
+    assert _same(before, after)
+
+
+# ----------------------------------------------------------------------------- inside a block
+INNER_BAD = {
+    "freeze-typo": lambda m: ts.freeze(m, "hed"),
+    "unfreeze-empty": lambda m: ts.unfreeze(m, []),
+    "mark-typo": lambda m: ts.mark_trainable(m, "hed"),
+    "freeze_except-raising-selector": lambda m: ts.freeze_except(m, lambda path, p: 1 / 0),
+    "schedule-typo": lambda m: ts.UnfreezeSchedule(m, {0: "head", 2: "hed"}),
+    "swap-shape": lambda m: ts.swap(m, {"enc.weight": torch.zeros(1)}),
+    "stop_gradient-typo": lambda m: ts.stop_gradient(m, "hed"),
+    "constant-other": lambda m: ts.constant(m, OTHER),
+    "load-typo": lambda m: ts.load_state_dict(m, {"enc.wieght": torch.zeros(4, 4)}),
+    "polyak-shape": lambda m: ts.polyak_update(m, {"enc.weight": torch.zeros(1)}, 0.5),
+    "clip-negative": lambda m: ts.clip_by_global_norm(m, -1.0),
+    "attach-bad-option": lambda m: ts.attach(m, freeze_norm_stats="no"),
+}
+
+
+@pytest.mark.parametrize("outer", ["freeze", "freeze_except", "stop_gradient", "swap", "nested"])
+@pytest.mark.parametrize("bad", sorted(INNER_BAD))
+def test_a_bad_call_inside_a_block_changes_nothing_and_the_block_still_restores(outer, bad):
+    m, _ = _governed()
+    start = snap(m)
+    with BLOCKS[outer](m):
+        mid = snap(m)
+        with pytest.raises((TypeError, ValueError, ZeroDivisionError)):
+            INNER_BAD[bad](m)
+        assert _same(mid, snap(m))
+        m(X).sum().backward()
+    end = snap(m)
+    for key in ("flags", "reads", "internal", "data"):
+        assert _same(start[key], end[key]), key
+
+
+def test_a_bad_schedule_step_inside_a_block():
+    """``load_state_dict`` of a schedule with a bad state, inside another context: refused,
+    the schedule and the flags as they were."""
+    m, _ = _governed()
+    sched = ts.UnfreezeSchedule(m, {0: "head", 2: "enc"})
+    with ts.freeze(m, "head"):
+        before = snap(m)
+        for bad in ({"step": -1}, {"step": 1.5}, {"step": "2"}, {"step": True}, {},
+                    {"step": 1, "milestones": [0, 3]}, None, [("step", 1)]):
+            with pytest.raises((TypeError, ValueError)):
+                sched.load_state_dict(bad)
+            assert sched.current_step == 0
+            assert_unchanged(before, m)
+    assert sched.current_step == 0
+    sched.step(), sched.step()
+    assert ts.is_trainable(m, "enc.weight")
+
+
+# ----------------------------------------------------------------------------- user code raising
+class Boom(Exception):
+    pass
+
+
+def _halfway(seen=("bn",)):
+    """A selector that answers for some paths, then raises (the user's own bug)."""
+    def sel(path, p):
+        if path.startswith(seen):
+            raise Boom(path)
+        return path.startswith("enc")
+    return sel
+
+
+HALFWAY = {
+    "select": lambda m, s: ts.select(m, s),
+    "freeze": lambda m, s: ts.freeze(m, s),
+    "freeze_except": lambda m, s: ts.freeze_except(m, s),
+    "unfreeze": lambda m, s: ts.unfreeze(m, "enc", s),
+    "with-freeze": lambda m, s: ts.freeze(m, s).__enter__(),
+    "stop_gradient": lambda m, s: ts.stop_gradient(m, s),
+    "constant": lambda m, s: ts.constant(m, s),
+    "param_groups-rule": lambda m, s: ts.param_groups(m, (s, {"lr": 1.0})),
+    "param_groups-no_decay": lambda m, s: ts.param_groups(m, no_decay=s),
+    "schedule": lambda m, s: ts.UnfreezeSchedule(m, {0: "head", 3: s}),
+    "structural_grad-wrt": lambda m, s: ts.structural_grad(m, _loss, wrt=s),
+    "value_and_grad-wrt": lambda m, s: ts.value_and_grad(_loss, m, wrt=s),
+}
+
+
+@pytest.mark.parametrize("prep", ["plain", "governed"])
+@pytest.mark.parametrize("where", sorted(HALFWAY))
+def test_a_selector_that_raises_half_way_changes_nothing(where, prep):
+    """The user's own exception comes through unchanged (same object), and nothing that was
+    decided for the paths before it is kept."""
+    m, opt = PREPS[prep]()
+    before = snap(m, opt)
+    with pytest.raises(Boom) as info:
+        HALFWAY[where](m, _halfway())
+    assert str(info.value) == "bn.weight"
+    assert_unchanged(before, m, opt)
+    assert _same(follow_up(m, opt), reference(prep))
+
+
+def test_a_loss_callable_that_raises_changes_nothing():
+    m, opt = _governed()
+    m.eval()  # no running statistics move in the user's forward
+    before = snap(m, opt)
+
+    def loss(model):
+        model(X)
+        raise Boom("in the loss")
+    for call in (lambda: ts.structural_grad(m, loss), lambda: ts.value_and_grad(loss, m),
+                 lambda: ts.structural_grad(m, loss, wrt="enc")):
+        with pytest.raises(Boom, match="in the loss"):
+            call()
+        assert_unchanged(before, m, opt)
+    m.train()
+    assert _same(follow_up(m, opt), reference("governed"))
+
+
+def test_a_map_function_that_raises_half_way_changes_nothing():
+    m, opt = _governed()
+    before = snap(m, opt)
+    calls = []
+
+    def f(p):
+        calls.append(p)
+        if len(calls) == 2:
+            raise Boom("second leaf")
+        return p * 2
+    with pytest.raises(Boom):
+        ts.map_trainable(f, m)
+    assert_unchanged(before, m, opt)
+
+
+class Declares(nn.Module):
+    """A module whose ``trainable()`` is the user's code (it may fail)."""
+
+    def __init__(self, fail_at=None):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+        self.fail_at, self.calls = fail_at, 0
+
+    def trainable(self):
+        self.calls += 1
+        yield "a"
+        if self.fail_at is not None and self.calls >= self.fail_at:
+            raise Boom("trainable")
+        yield "b"
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("call", ["freeze", "unfreeze", "freeze_except", "summary", "reads",
+                                  "param_groups-then-flags", "structural_grad", "schedule"])
+def test_trainable_raising_on_an_attached_model_changes_no_flag(call):
+    """A ``trainable()`` that fails on a later call (the model attached meanwhile): the user's
+    exception comes through, no flag moves, torchstruct's state stays."""
+    m = Declares()
+    ts.attach(m)
+    before = snap(m)
+    m.fail_at = m.calls + 1
+    calls = {
+        "freeze": lambda: ts.freeze(m, "a"),
+        "unfreeze": lambda: ts.unfreeze(m, "a"),
+        "freeze_except": lambda: ts.freeze_except(m, "a"),
+        "summary": lambda: ts.summary(m),
+        "reads": lambda: list(ts.trainable_parameters(m)),
+        "param_groups-then-flags": lambda: (ts.param_groups(m), ts.mark_trainable(m.a, "bias")),
+        "structural_grad": lambda: ts.structural_grad(m, lambda mm: mm(torch.ones(1, 2)).sum()),
+        "schedule": lambda: ts.UnfreezeSchedule(m, {0: "a"}),
+    }
+    with pytest.raises(Boom):
+        calls[call]()
+    m.fail_at = None
+    after = snap(m)
+    assert _same(before["flags"], after["flags"])
+    assert _same(before["internal"], after["internal"])
