@@ -912,3 +912,260 @@ def test_trainable_raising_on_an_attached_model_changes_no_flag(call):
     after = snap(m)
     assert _same(before["flags"], after["flags"])
     assert _same(before["internal"], after["internal"])
+
+
+# ----------------------------------------------------------------------------- found: xfail
+STRICT_NONE = {
+    "select": lambda m: ts.select(m, "hed", strict=None),
+    "freeze": lambda m: ts.freeze(m, "hed", strict=None),
+    "freeze_except": lambda m: ts.freeze_except(m, "hed", strict=None),
+    "unfreeze": lambda m: ts.unfreeze(m, "hed", strict=None),
+    "stop_gradient": lambda m: ts.stop_gradient(m, "hed", strict=None),
+    "UnfreezeSchedule": lambda m: ts.UnfreezeSchedule(m, {0: "hed"}, strict=None),
+    "param_groups": lambda m: ts.param_groups(m, ("hed", {"lr": 1.0}), strict=None),
+}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "strict=None (not a bool) is read as strict=False: a typo'd selector then silently selects "
+    "nothing (freeze_except/UnfreezeSchedule freeze everything); expected TypeError naming "
+    "strict, as attach() does for freeze_norm_stats=1"))
+@pytest.mark.parametrize("where", sorted(STRICT_NONE))
+def test_xfail_strict_none_is_not_a_bool(where):
+    m = fresh()
+    before = snap(m)
+    with pytest.raises(TypeError, match="strict"):
+        STRICT_NONE[where](m)
+    assert_unchanged(before, m)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "freeze(m, 'bn', freeze_norm_stats='no') is accepted and read as True (running statistics "
+    "held: the opposite of what was written); attach() refuses the same value with a TypeError "
+    "naming freeze_norm_stats; expected the same refusal, nothing applied"))
+@pytest.mark.parametrize("kind", ["freeze", "freeze_except", "unfreeze", "UnfreezeSchedule"])
+def test_xfail_contexts_take_a_string_freeze_norm_stats(kind):
+    m = fresh()
+    before = snap(m)
+    make = {"freeze": lambda: ts.freeze(m, "bn", freeze_norm_stats="no"),
+            "freeze_except": lambda: ts.freeze_except(m, "enc", freeze_norm_stats="no"),
+            "unfreeze": lambda: ts.unfreeze(m, "bn", freeze_norm_stats="no"),
+            "UnfreezeSchedule": lambda: ts.UnfreezeSchedule(m, {0: "enc"},
+                                                            freeze_norm_stats="no")}
+    with pytest.raises(TypeError, match="freeze_norm_stats"):
+        make[kind]()
+    assert_unchanged(before, m)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "clip_by_global_norm(params, '1') converts the string with float() and clips; "
+    "torch.nn.utils.clip_grad_norm_ raises TypeError for it, and the docstring promises "
+    "ValueError unless max_norm is a number; expected a refusal, gradients untouched"))
+def test_xfail_clip_takes_a_string_max_norm():
+    m = with_grads(fresh())
+    ref = with_grads(fresh())
+    with pytest.raises(TypeError):
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), "0.1")
+    before = snap(m)
+    with pytest.raises((TypeError, ValueError), match="max_norm"):
+        ts.clip_by_global_norm(m, "0.1")
+    assert_unchanged(before, m)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "AdamW(max_grad_norm='1') converts the string and builds a clipping optimizer; torch-style "
+    "hyper-parameters given as strings are refused elsewhere (param_groups: 'lr_scale must be "
+    "a number'); expected TypeError/ValueError naming max_grad_norm"))
+def test_xfail_optimizer_takes_a_string_max_grad_norm():
+    m = fresh()
+    with pytest.raises((TypeError, ValueError), match="max_grad_norm"):
+        ts.optim.AdamW(m.parameters(), max_grad_norm="1")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "global_norm(x, norm_type=None) / 'fro' fail inside float() with \"float() argument must "
+    "be a string or a real number\" / \"could not convert string to float\", naming neither "
+    "norm_type nor global_norm (clip_by_global_norm names norm_type for the same values): "
+    "clip.global_norm calls float(norm_type) before _reference.validate_norm_type"))
+@pytest.mark.parametrize("norm_type", [None, "fro", [2.0]], ids=repr)
+def test_xfail_global_norm_bad_norm_type_message(norm_type):
+    m = with_grads(fresh())
+    with pytest.raises(ValueError, match="norm_type"):
+        ts.clip_by_global_norm(m, 1.0, norm_type)  # the sibling names it
+    with pytest.raises((TypeError, ValueError), match="norm_type"):
+        ts.global_norm(m, norm_type)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "is_norm answers False for what is not a module: the class nn.LayerNorm itself, None, a "
+    "string; every other function taking a module raises TypeError; expected TypeError (or "
+    "True for a norm class)"))
+@pytest.mark.parametrize("arg", [nn.LayerNorm, None, "LayerNorm"], ids=repr)
+def test_xfail_is_norm_of_a_non_module(arg):
+    with pytest.raises(TypeError, match="is_norm"):
+        ts.is_norm(arg)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "map_trainable(None, model) fails with Python's \"'NoneType' object is not callable\" "
+    "from inside the walk, naming neither f nor map_trainable (value_and_grad says 'fn must "
+    "be callable'); expected TypeError naming f"))
+def test_xfail_map_trainable_f_not_callable():
+    with pytest.raises(TypeError, match="map_trainable.*f|f must"):
+        ts.map_trainable(None, fresh())
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "map_trainable(f, model, tree) whose leaves have another shape than the parameters "
+    "(here (1,) and (3, 1, 1) against (4, 4)) runs f and returns broadcast leaves: a tree "
+    "that does not match the model is silently accepted (polyak_update and swap refuse the "
+    "same tree naming the path); expected ValueError naming 'enc.weight'"))
+@pytest.mark.parametrize("shape", [(1,), (3, 1, 1)])
+def test_xfail_map_trainable_tree_of_other_shapes(shape):
+    m = fresh()
+    tree = {k: torch.zeros(shape) for k, _ in m.named_parameters()}
+    with pytest.raises(ValueError, match="polyak_update.*'enc.weight'"):
+        ts.polyak_update(m, tree, 0.5)  # the sibling refuses it
+    with pytest.raises(ValueError, match="enc.weight"):
+        ts.map_trainable(lambda p, t: p + t, m, tree)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "polyak_update(target, tree) ignores the leaves at frozen parameters' paths, whatever "
+    "they are: a wrong-shape leaf there is silently accepted while an unknown path is "
+    "refused; expected the tree checked against the model (ValueError naming 'head.bias')"))
+def test_xfail_polyak_wrong_leaf_at_a_frozen_path():
+    m = fresh()
+    ts.freeze(m, "head")
+    tree = {k: p.detach().clone() for k, p in m.named_parameters()}
+    tree["head.bias"] = torch.zeros(7)
+    before = snap(m)
+    with pytest.raises(ValueError, match="head.bias"):
+        ts.polyak_update(m, tree, 0.5)
+    assert_unchanged(before, m)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "structural_grad(m, loss_fn, create_graph=None) (or retain_graph='no') first runs the "
+    "user's forward (BatchNorm running statistics move) and then fails inside "
+    "torch.autograd.grad with \"'NoneType' object cannot be interpreted as an integer\", "
+    "naming neither argument; expected the flags checked before the forward, a TypeError "
+    "naming create_graph, buffers unchanged"))
+@pytest.mark.parametrize("kw", [dict(create_graph=None), dict(retain_graph="no")], ids=str)
+def test_xfail_structural_grad_bad_flag_runs_the_forward_first(kw):
+    m = fresh()
+    before = snap(m)
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        ts.structural_grad(m, _loss, **kw)
+    assert_unchanged(before, m)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "attach(model) whose trainable() raises is not rolled back: the model stays registered "
+    "in _state.states with its forward pre-hook installed (and freeze(...) also leaves records), "
+    "though no flag changed; a refused call should leave torchstruct's state as it was "
+    "(hooks.attach installs before State.apply, and only undoes the norm option)"))
+@pytest.mark.parametrize("call", ["attach", "freeze", "unfreeze"])
+def test_xfail_failed_first_attach_leaves_hooks(call):
+    m = Declares(fail_at=1)
+    before = _internal(m)
+    with pytest.raises(Boom):
+        {"attach": lambda: ts.attach(m), "freeze": lambda: ts.freeze(m, "a"),
+         "unfreeze": lambda: ts.unfreeze(m, "a")}[call]()
+    assert _same(before, _internal(m))
+
+
+def _with_int_parameter():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    m[1].register_parameter("idx", nn.Parameter(torch.zeros(3, dtype=torch.long),
+                                                requires_grad=False))
+    return m
+
+
+def test_unfreeze_of_an_int_parameter_is_refused_by_path():
+    m = _with_int_parameter()
+    before = snap(m)
+    for call in (lambda: ts.unfreeze(m), lambda: ts.unfreeze(m, "1.idx"),
+                 lambda: ts.unfreeze(m, "1")):
+        with pytest.raises(ValueError, match=r"'1\.idx'.*int64"):
+            call()
+        for key in ("flags", "data", "reads"):
+            assert _same(before[key], snap(m)[key])
+    with ts.freeze(m):  # turning it off is fine (it is off already)
+        assert not any(p.requires_grad for p in m.parameters())
+    assert _same(before["flags"], snap(m)["flags"])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "unfreeze on a model holding an int64 parameter is refused ('No flag was changed') but "
+    "the model has been attached meanwhile (state, forward pre-hook, records): the dtype is "
+    "checked when flags are applied, after attaching; expected torchstruct's state unchanged"))
+def test_xfail_unfreeze_int_parameter_attaches_first():
+    m = _with_int_parameter()
+    before = _internal(m)
+    with pytest.raises(ValueError, match="1.idx"):
+        ts.unfreeze(m)
+    assert _same(before, _internal(m))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "structural_grad(m, loss, wrt='1.idx') on an int64 parameter fails inside torch with "
+    "'only Tensors of floating point dtype can require gradients', not naming the path; "
+    "expected ValueError naming '1.idx' as unfreeze does"))
+def test_xfail_structural_grad_wrt_int_parameter():
+    m = _with_int_parameter()
+    before = snap(m)
+    with pytest.raises(ValueError, match=r"1\.idx"):
+        ts.structural_grad(m, lambda mm: mm(torch.ones(1, 2)).sum(), wrt="1.idx")
+    assert_unchanged(before, m)
+
+
+def _lazy():
+    return nn.Sequential(nn.LazyLinear(2), nn.Linear(2, 2))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "freeze(m, '0') on an uninitialized LazyLinear fails with torch's 'Attempted to use an "
+    "uninitialized parameter in requires_grad_' (naming no path) and leaves the model "
+    "attached; torch itself allows `p.requires_grad = False` on an UninitializedParameter, "
+    "so freezing a lazy module before its first forward could work; expected it to work, "
+    "or a ValueError naming '0.weight' with nothing changed (summary/state_dict name it)"))
+def test_xfail_freeze_a_lazy_module():
+    m = _lazy()
+    before = _internal(m)
+    try:
+        ts.freeze(m, "0")
+    except ValueError as e:
+        assert "0.weight" in str(e)
+        assert _same(before, _internal(m))
+    else:
+        m(torch.ones(1, 3))
+        assert [p.requires_grad for p in m.parameters()] == [False, False, True, True]
+
+
+def test_lazy_parameters_elsewhere_are_named_or_skipped():
+    m = _lazy()
+    with pytest.raises(ValueError, match="'0.weight'.*lazy"):
+        ts.summary(m)
+    with pytest.raises(ValueError, match="'0.weight'.*lazy"):
+        ts.state_dict(m)
+    with pytest.raises(ValueError, match="'0.weight'"):
+        ts.load_state_dict(m, {"0.weight": torch.zeros(2, 3), "0.bias": torch.zeros(2),
+                               "1.weight": torch.zeros(2, 2), "1.bias": torch.zeros(2)})
+    ts.freeze(m, "1")  # a lazy module not selected is no obstacle
+    m(torch.ones(1, 3))
+    assert [p.requires_grad for p in m.parameters()] == [True, True, False, False]
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "polyak_update / swap / map_trainable on a model with an uninitialized lazy parameter "
+    "fail inside torch ('Can't access the shape of an uninitialized parameter', 'Attempted "
+    "to use an uninitialized parameter in mul') without naming the path; summary and "
+    "state_dict name '0.weight'; expected the same"))
+@pytest.mark.parametrize("call", ["polyak_update", "swap", "map_trainable"])
+def test_xfail_lazy_parameter_not_named(call):
+    m = _lazy()
+    with pytest.raises(ValueError, match=r"'0\.weight'"):
+        {"polyak_update": lambda: ts.polyak_update(m, _lazy(), 0.5),
+         "swap": lambda: ts.swap(m, {"0.weight": torch.zeros(2, 3)}),
+         "map_trainable": lambda: ts.map_trainable(lambda p: p * 2, m)}[call]()
