@@ -1007,19 +1007,36 @@ def test_xfail_is_norm_of_a_non_module(arg):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "map_trainable(None, model) fails with Python's \"'NoneType' object is not callable\" "
-    "from inside the walk, naming neither f nor map_trainable (value_and_grad says 'fn must "
+    "a function argument that is not callable (map_trainable(None, m), ts.tree.map(None, t), "
+    "ts.tree.reduce(None, t, 0)) fails with Python's \"'NoneType' object is not callable\" "
+    "from inside the walk, naming neither f nor the function (value_and_grad says 'fn must "
     "be callable'); expected TypeError naming f"))
-def test_xfail_map_trainable_f_not_callable():
-    with pytest.raises(TypeError, match="map_trainable.*f|f must"):
-        ts.map_trainable(None, fresh())
+@pytest.mark.parametrize("where", ["map_trainable", "tree.map", "tree.reduce"])
+def test_xfail_function_argument_not_callable(where):
+    tree = {"a": torch.ones(2)}
+    call = {"map_trainable": lambda: ts.map_trainable(None, fresh()),
+            "tree.map": lambda: ts.tree.map(None, tree),
+            "tree.reduce": lambda: ts.tree.reduce(None, tree, 0)}[where]
+    with pytest.raises(TypeError, match=r"\bf\b.*callable|callable.*\bf\b"):
+        call()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "ts.tree.from_flat_dict(None) fails with \"'NoneType' object is not iterable\", naming "
+    "neither the argument nor the function (every other tree function says 'a tree must be a "
+    "dict at the root; got NoneType'); expected TypeError naming what was expected"))
+def test_xfail_from_flat_dict_none_message():
+    with pytest.raises(TypeError, match="flat|mapping|dict"):
+        ts.tree.from_flat_dict(None)
 
 
 @pytest.mark.xfail(strict=True, reason=(
     "map_trainable(f, model, tree) whose leaves have another shape than the parameters "
     "(here (1,) and (3, 1, 1) against (4, 4)) runs f and returns broadcast leaves: a tree "
     "that does not match the model is silently accepted (polyak_update and swap refuse the "
-    "same tree naming the path); expected ValueError naming 'enc.weight'"))
+    "same tree naming the path; ts.tree.map, a generic map like jax's, may broadcast, but "
+    "map_trainable's trees are matched to the model); expected ValueError naming "
+    "'enc.weight'"))
 @pytest.mark.parametrize("shape", [(1,), (3, 1, 1)])
 def test_xfail_map_trainable_tree_of_other_shapes(shape):
     m = fresh()
@@ -1169,3 +1186,218 @@ def test_xfail_lazy_parameter_not_named(call):
         {"polyak_update": lambda: ts.polyak_update(m, _lazy(), 0.5),
          "swap": lambda: ts.swap(m, {"0.weight": torch.zeros(2, 3)}),
          "map_trainable": lambda: ts.map_trainable(lambda p: p * 2, m)}[call]()
+
+
+# ----------------------------------------------------------------------------- property tests
+_BAD_SELECTORS = {
+    "typo": ("hed", ValueError),
+    "other-module": (OTHER, ValueError),
+    "other-param": (OTHER.weight, ValueError),
+    "empty-list": ([], ValueError),
+    "None": (None, TypeError),
+    "int": (7, TypeError),
+    "regex-nothing": (re.compile("nothing"), ValueError),
+}
+_GOOD_SELECTORS = ["enc", "head.*", re.compile(r"bn\..*"), "*.bias",
+                   lambda path, p: path.endswith("weight")]
+_KINDS = {
+    "freeze": ts.freeze, "freeze_except": ts.freeze_except, "unfreeze": ts.unfreeze,
+    "stop_gradient": ts.stop_gradient, "constant": ts.constant,
+    "select": ts.select,
+    "schedule": lambda m, *s: ts.UnfreezeSchedule(m, {0: "head", 4: list(s)}),
+    "param_groups": lambda m, *s: ts.param_groups(m, (list(s), {"lr": 0.5})),
+    "wrt": lambda m, *s: ts.structural_grad(m, _loss, wrt=list(s)),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.sampled_from(sorted(_KINDS)), prep=st.sampled_from(["plain", "governed"]),
+       good=st.lists(st.sampled_from(range(len(_GOOD_SELECTORS))), max_size=3),
+       bad=st.sampled_from(sorted(_BAD_SELECTORS)), at=st.integers(0, 3),
+       nest=st.booleans())
+def test_property_one_bad_selector_anywhere_refuses_the_whole_call(kind, prep, good, bad, at,
+                                                                   nest):
+    """However many good selectors come with it, and wherever it sits (also inside a nested
+    list), one bad selector refuses the whole call and changes nothing."""
+    m, opt = PREPS[prep]()
+    value, exc = _BAD_SELECTORS[bad]
+    sels = [_GOOD_SELECTORS[i] for i in good]
+    sels.insert(min(at, len(sels)), [value] if nest and bad != "empty-list" else value)
+    before = snap(m, opt)
+    with pytest.raises(exc):
+        _KINDS[kind](m, *sels)
+    assert_unchanged(before, m, opt)
+
+
+_NUMBERS = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.integers(-3, 3), st.booleans(), st.none(), st.sampled_from(["1", "fro", "inf"]))
+
+
+def _valid_max_norm(v):
+    return (isinstance(v, (int, float)) and not isinstance(v, str)
+            and not math.isnan(float(v)) and float(v) >= 0)
+
+
+def _valid_norm_type(v):
+    """torch reads ``float(norm_type)`` (so "inf", "1" and True pass): > 0 or inf."""
+    try:
+        p = float(v)
+    except (TypeError, ValueError):
+        return False
+    return not math.isnan(p) and p > 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(max_norm=_NUMBERS.filter(lambda v: not isinstance(v, str)),  # strings: see the xfail
+       norm_type=_NUMBERS)
+def test_property_clip_against_torch(max_norm, norm_type):
+    """Where torch's clip_grad_norm_ refuses, torchstruct refuses; a value the contract calls
+    invalid (negative or NaN max_norm, norm_type <= 0 or NaN) is refused with gradients
+    untouched (torch takes some of these and writes nonsense); otherwise the same norm and
+    the same gradients."""
+    m, r = with_grads(fresh()), with_grads(fresh())
+    before = snap(m)
+    try:
+        want = torch.nn.utils.clip_grad_norm_(r.parameters(), max_norm, norm_type)
+        torch_error = None
+    except Exception as e:  # noqa: BLE001 - compared below
+        torch_error = e
+    valid = _valid_max_norm(max_norm) and _valid_norm_type(norm_type)
+    if torch_error is not None or not valid:
+        with pytest.raises((TypeError, ValueError, RuntimeError)) as info:
+            ts.clip_by_global_norm(m, max_norm, norm_type)
+        assert re.search("max_norm|norm_type", str(info.value)), info.value
+        assert_unchanged(before, m)
+        return
+    got = ts.clip_by_global_norm(m, max_norm, norm_type)
+    assert torch.allclose(got, want, rtol=1e-5, equal_nan=True)
+    for a, b in zip(m.parameters(), r.parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7, equal_nan=True)
+
+
+@settings(max_examples=80, deadline=None)
+@given(tau=_NUMBERS)
+def test_property_polyak_tau(tau):
+    m, src = fresh(), fresh()
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(1.0)
+    before = snap(m)
+    ok = (isinstance(tau, (int, float)) and not isinstance(tau, bool)
+          and not math.isnan(float(tau)) and 0.0 <= float(tau) <= 1.0)
+    if not ok:
+        with pytest.raises((TypeError, ValueError), match="tau"):
+            ts.polyak_update(m, src, tau)
+        assert_unchanged(before, m)
+        return
+    ts.polyak_update(m, src, tau)
+    for (n, p), (_, old), s in zip(m.named_parameters(), before["data"], src.parameters()):
+        assert torch.allclose(p, (1 - float(tau)) * old + float(tau) * s, atol=1e-6), n
+
+
+@settings(max_examples=60, deadline=None)
+@given(which=st.integers(0, 7), how=st.sampled_from(["typo", "shape", "dtype", "list",
+                                                     "meta", "extra"]))
+def test_property_one_corrupt_entry_loads_nothing(which, how):
+    """A trainable-state dict with one corrupt entry anywhere is refused naming it; nothing
+    is written (also the good entries before it)."""
+    m, opt = _governed()
+    state = {k: torch.full_like(v, 3) for k, v in ts.state_dict(m).items()}
+    keys = list(state)
+    k = keys[which % len(keys)]
+    v = state[k]
+    named = k
+    if how == "typo":
+        named = k + "x"
+        state[named] = state.pop(k)
+    elif how == "shape":
+        state[k] = torch.zeros(v.numel() + 1, dtype=v.dtype)
+    elif how == "dtype":
+        state[k] = v.to(torch.float64 if v.is_floating_point() else torch.float32)
+    elif how == "list":
+        state[k] = v.tolist()
+    elif how == "meta":
+        state[k] = v.to("meta")
+    else:
+        named = "head.extra"
+        state[named] = torch.zeros(1)
+    before = snap(m, opt)
+    with pytest.raises(ValueError) as info:
+        ts.load_state_dict(m, state)
+    assert repr(named) in str(info.value)
+    assert_unchanged(before, m, opt)
+
+
+# ----------------------------------------------------------------------------- iterables, overlaps
+def test_consumed_generators_behave_as_in_torch():
+    """A generator read by a first call is empty for the second, in torchstruct as in torch
+    (same warning for clipping, zero norm), and an optimizer refuses it as torch does."""
+    m, r = with_grads(fresh()), with_grads(fresh())
+    g, h = m.parameters(), r.parameters()
+    assert torch.allclose(ts.clip_by_global_norm(g, 0.1), torch.nn.utils.clip_grad_norm_(h, 0.1))
+    with pytest.warns(UserWarning, match="empty generator"):
+        a = ts.clip_by_global_norm(g, 0.1)
+    with pytest.warns(UserWarning, match="empty generator"):
+        b = torch.nn.utils.clip_grad_norm_(h, 0.1)
+    assert float(a) == float(b) == 0.0
+    grads = (p.grad for p in m.parameters())
+    assert float(ts.global_norm(grads)) > 0 and float(ts.global_norm(grads)) == 0.0
+    gen, hen = m.parameters(), r.parameters()
+    ts.optim.AdamW(gen), torch.optim.AdamW(hen)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        torch.optim.AdamW(hen)
+    with pytest.raises(ValueError, match="empty parameter list"):
+        ts.optim.AdamW(gen)
+
+
+def test_overlapping_and_duplicate_selectors_are_one_union():
+    m, ref = fresh(), fresh()
+    ts.freeze(m, "enc", "enc.*", m.enc, m.enc.weight, ["enc", (re.compile(r"enc\..*"),)])
+    ts.freeze(ref, "enc")
+    assert [p.requires_grad for p in m.parameters()] == [p.requires_grad
+                                                         for p in ref.parameters()]
+    assert _same(portable(snap(m))["internal"]["records"],
+                 portable(snap(ref))["internal"]["records"])
+
+
+def test_a_shadowed_param_groups_rule_keeps_every_parameter_once():
+    """The first rule that selects a parameter wins: a later rule covering only the same
+    parameters gives no group of its own, and every parameter is in exactly one group."""
+    m = fresh()
+    groups = ts.param_groups(m, ("enc", {"lr": 1.0}), ("enc.*", {"lr": 2.0}))
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in m.parameters())
+    assert all(g.get("lr") == 1.0 for g in groups if any(p is m.enc.weight for p in g["params"]))
+    assert all(g.get("lr") != 2.0 for g in groups)
+
+
+def test_frozen_only_selections_are_answers_not_errors():
+    """Selecting only frozen parameters is legitimate: the groups keep them, a structural
+    gradient asked for them is computed without moving a flag, clipping a model whose
+    frozen parameters hold stale gradients leaves those untouched."""
+    m = with_grads(fresh())
+    ts.freeze(m, "enc")
+    stale = m.enc.weight.grad.clone()
+    groups = ts.param_groups(m, ("enc", {"lr": 0.0}))
+    assert any(any(p is m.enc.weight for p in g["params"]) and g["lr"] == 0.0 for g in groups)
+    m.eval()
+    before = snap(m)
+    tree = ts.structural_grad(m, _loss, wrt="enc")
+    assert ts.tree.paths(tree) == ["enc.weight", "enc.bias"]
+    assert_unchanged(before, m)
+    norm = ts.clip_by_global_norm(m, 1e-3)
+    assert torch.equal(m.enc.weight.grad, stale)
+    trainable = [p.grad for _, p in ts.trainable_parameters(m)]
+    assert torch.allclose(norm, torch.nn.utils.get_total_norm(trainable) * 0 + norm)
+    assert torch.allclose(ts.global_norm(m), torch.nn.utils.get_total_norm(trainable))
+
+
+def test_clip_and_norm_against_torch_on_a_duplicated_list():
+    """A list is taken as given, exactly as torch takes it: a parameter listed twice counts
+    twice and is scaled twice."""
+    m, r = with_grads(fresh()), with_grads(fresh())
+    a = ts.clip_by_global_norm([m.enc.weight, m.enc.weight, m.head.bias], 0.05)
+    b = torch.nn.utils.clip_grad_norm_([r.enc.weight, r.enc.weight, r.head.bias], 0.05)
+    assert torch.allclose(a, b)
+    assert torch.allclose(m.enc.weight.grad, r.enc.weight.grad)
