@@ -1401,3 +1401,49 @@ def test_clip_and_norm_against_torch_on_a_duplicated_list():
     b = torch.nn.utils.clip_grad_norm_([r.enc.weight, r.enc.weight, r.head.bias], 0.05)
     assert torch.allclose(a, b)
     assert torch.allclose(m.enc.weight.grad, r.enc.weight.grad)
+
+
+# ----------------------------------------------------------------------------- under DDP
+def scenario_ddp_refusals(rank, checks):
+    """On a DDP-wrapped model: a refused schedule step (it would unfreeze a parameter DDP does
+    not synchronise), a refused freeze (DDP would wait for its gradients) and a typo are
+    refused naming the path, and change no flag, no step, no torchstruct state."""
+    from _spawn import check
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    sched = ts.UnfreezeSchedule(model, {0: "2", 1: "0"})
+    ddp = DDP(model)
+    for name, call, words in [
+        ("schedule step", sched.step, ["'0.weight'"]),
+        ("freeze", lambda: ts.freeze(model, "2"), ["2.weight", "find_unused_parameters"]),
+        ("freeze wrapper typo", lambda: ts.freeze(ddp, "module.hed"), ["'module.hed'"]),
+        ("load schedule state", lambda: sched.load_state_dict({"step": 1, "milestones": [0, 1]}),
+         ["'0.weight'"]),
+    ]:
+        before = snap(model)
+        try:
+            call()
+            msg = None
+        except (RuntimeError, ValueError) as e:
+            msg = str(e)
+        check(checks, name + " refused", msg is not None, "accepted")
+        check(checks, name + " names", msg is not None and all(w in msg for w in words), msg)
+        after = snap(model)
+        check(checks, name + " changed nothing", _same(before, after),
+              [k for k in before if not _same(before[k], after[k])])
+        check(checks, name + " step kept", sched.current_step == 0, sched.current_step)
+    x = torch.ones(2, 4) * (rank + 1)
+    ddp(x).sum().backward()  # trains on
+    check(checks, "trains on", model[2].weight.grad is not None and model[0].weight.grad is None)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+def test_ddp_refusals_change_nothing():
+    from _spawn import failed, gloo_available, run
+    if not gloo_available():
+        pytest.skip("gloo not available")
+    per_rank = run(scenario_ddp_refusals)
+    assert all(len(c) == 17 for c in per_rank.values()), per_rank
+    assert not failed(per_rank), "\n".join(failed(per_rank))
