@@ -797,11 +797,12 @@ class Boom(Exception):
     pass
 
 
-def _halfway(seen=("bn",)):
-    """A selector that answers for some paths, then raises (the user's own bug)."""
+def _halfway(seen=("bn",), exc=None):
+    """A selector that answers for some paths, then raises (the user's own bug, or a
+    KeyboardInterrupt arriving while it runs)."""
     def sel(path, p):
         if path.startswith(seen):
-            raise Boom(path)
+            raise (exc or Boom)(path)
         return path.startswith("enc")
     return sel
 
@@ -822,15 +823,16 @@ HALFWAY = {
 }
 
 
+@pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt], ids=lambda e: e.__name__)
 @pytest.mark.parametrize("prep", ["plain", "governed"])
 @pytest.mark.parametrize("where", sorted(HALFWAY))
-def test_a_selector_that_raises_half_way_changes_nothing(where, prep):
-    """The user's own exception comes through unchanged (same object), and nothing that was
-    decided for the paths before it is kept."""
+def test_a_selector_that_raises_half_way_changes_nothing(where, prep, exc):
+    """The user's own exception comes through unchanged, and nothing that was decided for
+    the paths before it is kept."""
     m, opt = PREPS[prep]()
     before = snap(m, opt)
-    with pytest.raises(Boom) as info:
-        HALFWAY[where](m, _halfway())
+    with pytest.raises(exc) as info:
+        HALFWAY[where](m, _halfway(exc=exc))
     assert str(info.value) == "bn.weight"
     assert_unchanged(before, m, opt)
     assert _same(follow_up(m, opt), reference(prep))
