@@ -1485,3 +1485,19 @@ def test_xfail_load_state_dict_inside_constant_is_partial():
         with pytest.raises(RuntimeError, match="'head.weight'"):
             ts.load_state_dict(m, state)
         assert_unchanged(before, m, opt)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "polyak_update on a model with parameters of two dtypes, inside ts.constant(m, '1'): "
+    "walk.py runs one _foreach_lerp_ per (device, dtype) group, so the float64 group ('0.*') "
+    "is written before the constant guard refuses the float32 group's '1.weight': a partial "
+    "update (with one dtype the single fused op is refused before any write); expected the "
+    "refusal before the first write, as the optimizers do (_refuse_guarded_step)"))
+def test_xfail_polyak_mixed_dtypes_inside_constant_is_partial():
+    m = nn.Sequential(nn.Linear(2, 2).double(), nn.Linear(2, 2))
+    src = nn.Sequential(nn.Linear(2, 2).double(), nn.Linear(2, 2))
+    with ts.constant(m, "1"):
+        before = snap(m)
+        with pytest.raises(RuntimeError, match=r"'1\.weight'"):
+            ts.polyak_update(m, src, 0.5)
+        assert_unchanged(before, m)
