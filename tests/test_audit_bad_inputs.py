@@ -1501,3 +1501,50 @@ def test_xfail_polyak_mixed_dtypes_inside_constant_is_partial():
         with pytest.raises(RuntimeError, match=r"'1\.weight'"):
             ts.polyak_update(m, src, 0.5)
         assert_unchanged(before, m)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "a callable selector that returns a tensor (lambda path, p: p.abs() > 0, a common slip) "
+    "fails with torch's 'Boolean value of Tensor with more than one value is ambiguous', "
+    "naming neither the selector nor the path it was asked about (select._predicate wraps it "
+    "in bool(...)); nothing changes, but the message should say the selector returned a "
+    "Tensor for 'enc.weight'"))
+def test_xfail_selector_returning_a_tensor_message():
+    m = fresh()
+    before = snap(m)
+    with pytest.raises((TypeError, ValueError, RuntimeError), match=r"selector.*'enc\.weight'"):
+        ts.freeze(m, lambda path, p: p.abs() > 0)
+    assert_unchanged(before, m)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("call,words", [
+    (lambda m: ts.load_state_dict(m, {"emb.weight": torch.zeros(5, 3),
+                                      "head.weight": torch.ones(5, 3)}),
+     ["'emb.weight'", "'head.weight'", "tied"]),
+    (lambda m: ts.polyak_update(m, {"emb.weight": torch.zeros(5, 3),
+                                    "head.weight": torch.ones(5, 3)}, 1.0),
+     ["'emb.weight'", "'head.weight'", "tied"]),
+    (lambda m: ts.polyak_update(m, {"head.weight": torch.ones(5, 3)}, 1.0), ["'emb.weight'"]),
+    (lambda m: ts.swap(m, {"emb.weight": torch.zeros(5, 3), "head.weight": torch.ones(5, 3)}),
+     ["'head.weight'", "tied"]),
+    (lambda m: ts.map_trainable(lambda p, t: t, m, {"emb.weight": torch.zeros(5, 3),
+                                                    "head.weight": torch.ones(5, 3)}),
+     ["'emb.weight'", "'head.weight'"]),
+], ids=["load", "polyak-both", "polyak-alias", "swap", "map_trainable"])
+def test_two_values_for_one_tied_parameter_are_refused(call, words):
+    m = Tied()
+    before = snap(m)
+    with pytest.raises(ValueError) as info:
+        call(m)
+    for w in words:
+        assert w in str(info.value)
+    assert_unchanged(before, m)
