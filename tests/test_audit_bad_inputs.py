@@ -1548,3 +1548,26 @@ def test_two_values_for_one_tied_parameter_are_refused(call, words):
     for w in words:
         assert w in str(info.value)
     assert_unchanged(before, m)
+
+
+@pytest.mark.parametrize("change", ["delete-by-path", "replace-module-object"])
+def test_a_schedule_whose_milestone_left_the_model_refuses_the_step(change):
+    """A milestone whose module is gone by the time it is reached: the step is refused naming
+    the milestone, and the schedule, flags and torchstruct's state stay where they were."""
+    m = fresh()
+    if change == "delete-by-path":
+        sched = ts.UnfreezeSchedule(m, {0: "head", 2: "enc"})
+        del m.enc
+        m.forward = lambda x: m.head(m.bn(x))
+    else:
+        sched = ts.UnfreezeSchedule(m, {0: "head", 2: m.enc})
+        m.enc = nn.Linear(4, 4)
+    sched.step()
+    before = snap(m)
+    with pytest.raises(ValueError, match="milestone 2"):
+        sched.step()
+    assert sched.current_step == 1 and sched.stage == 1
+    assert_unchanged(before, m)
+    m(X).sum().backward()  # trains on at the stage it had
+    assert [n for n, p in m.named_parameters() if p.grad is not None] == [
+        n for n, _ in ts.trainable_parameters(m)]
