@@ -1571,3 +1571,54 @@ def test_a_schedule_whose_milestone_left_the_model_refuses_the_step(change):
     m(X).sum().backward()  # trains on at the stage it had
     assert [n for n, p in m.named_parameters() if p.grad is not None] == [
         n for n, _ in ts.trainable_parameters(m)]
+
+
+# ----------------------------------------------------------------------------- ts.tree
+_TREE = {"a": torch.ones(2), "b": {"c": torch.ones(3)}}
+TREE_CASES = [
+    ("paths-None", lambda: ts.tree.paths(None), TypeError, ["dict", "NoneType"]),
+    ("paths-list", lambda: ts.tree.paths([torch.ones(2)]), TypeError, ["list"]),
+    ("paths-int-key", lambda: ts.tree.paths({1: torch.ones(2)}), ValueError, ["strings", "1"]),
+    ("leaves-float-leaf", lambda: ts.tree.leaves({"a": 1.0}), TypeError, ["'a'", "float"]),
+    ("map-missing", lambda: ts.tree.map(lambda x, y: x + y, _TREE, {"a": torch.ones(2)}),
+     ValueError, ["'b.c'"]),
+    ("map-extra", lambda: ts.tree.map(lambda x, y: x + y, _TREE, {**_TREE, "z": torch.ones(1)}),
+     ValueError, ["'z'"]),
+    ("map-returns-int", lambda: ts.tree.map(lambda x: 1, _TREE), TypeError, ["'a'", "int"]),
+    ("flatten-two-devices", lambda: ts.tree.flatten({"a": torch.ones(2),
+                                                     "b": torch.ones(2, device="meta")}),
+     ValueError, ["'b'", "meta"]),
+    ("unflatten-length", lambda: ts.tree.unflatten(torch.ones(4), ts.tree.flatten(_TREE)[1]),
+     ValueError, ["4", "5"]),
+    ("unflatten-2d", lambda: ts.tree.unflatten(torch.ones(5, 1), ts.tree.flatten(_TREE)[1]),
+     ValueError, ["1-D"]),
+    ("unflatten-spec-None", lambda: ts.tree.unflatten(torch.ones(5), None), TypeError, ["spec"]),
+    ("unflatten-list", lambda: ts.tree.unflatten([1.0] * 5, ts.tree.flatten(_TREE)[1]),
+     TypeError, ["vector"]),
+    ("from_module-None", lambda: ts.tree.from_module(None), TypeError, ["nn.Module"]),
+    ("to_flat_dict-collision", lambda: ts.tree.to_flat_dict({"a.b": torch.ones(1),
+                                                             "a": {"b": torch.ones(2)}}),
+     ValueError, ["'a.b'"]),
+    ("from_flat_dict-conflict", lambda: ts.tree.from_flat_dict({"a": torch.ones(1),
+                                                                "a.b": torch.ones(2)}),
+     ValueError, ["'a'", "'a.b'"]),
+    ("from_flat_dict-duplicate", lambda: ts.tree.from_flat_dict([("a", torch.ones(1)),
+                                                                 ("a", torch.ones(2))]),
+     ValueError, ["'a'"]),
+    ("from_flat_dict-empty-part", lambda: ts.tree.from_flat_dict({"a..b": torch.ones(1)}),
+     ValueError, ["'a..b'"]),
+    ("from_flat_dict-int-key", lambda: ts.tree.from_flat_dict({1: torch.ones(1)}), ValueError,
+     ["strings"]),
+    ("from_flat_dict-float-leaf", lambda: ts.tree.from_flat_dict({"a": 1.0}), TypeError,
+     ["'a'"]),
+]
+
+
+@pytest.mark.parametrize("name,call,exc,words", TREE_CASES, ids=[c[0] for c in TREE_CASES])
+def test_tree_refusals_name_the_path_and_leave_the_tree(name, call, exc, words):
+    kept = {k: v.clone() for k, v in ts.tree.to_flat_dict(_TREE).items()}
+    with pytest.raises(exc) as info:
+        call()
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    assert _same(kept, ts.tree.to_flat_dict(_TREE))
