@@ -1603,3 +1603,25 @@ def test_tree_refusals_name_the_path_and_leave_the_tree(name, call, exc, words):
     for w in words:
         assert w in str(info.value), (w, str(info.value))
     assert _same(kept, ts.tree.to_flat_dict(_TREE))
+
+
+def test_nonfinite_clip_is_refused_as_torch_and_writes_nothing():
+    m, r = with_grads(fresh()), with_grads(fresh())
+    m.enc.weight.grad[0, 0] = r.enc.weight.grad[0, 0] = float("inf")
+    before = snap(m)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(r.parameters(), 1.0, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        ts.clip_by_global_norm(m, 1.0, error_if_nonfinite=True)
+    assert_unchanged(before, m)
+    for p, q in zip(m.parameters(), r.parameters()):  # torch wrote nothing either
+        assert torch.equal(p.grad, q.grad)
+
+
+def test_layer_decay_of_a_stack_from_another_model_is_refused():
+    m = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+    other = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match="ModuleList is not a submodule"):
+        ts.layer_decay(m, 0.5, layers=other)
+    with pytest.raises(TypeError, match="layers"):
+        ts.layer_decay(m, 0.5, layers=["1"])
