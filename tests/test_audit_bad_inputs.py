@@ -1452,13 +1452,7 @@ def test_a_write_refused_by_constant_writes_nothing_else(call, sel):
         assert_unchanged(before, m, opt)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ts.load_state_dict inside a ts.constant(m, 'head') block writes enc.* and bn.* (and the "
-    "buffers) before the constant guard refuses aten::copy_ into 'head.weight': a partial "
-    "load, though load_state_dict promises to check everything before writing anything (the "
-    "optimizers and polyak_update are refused before any write in the same block); expected "
-    "the refusal before the first write, nothing changed"))
-def test_xfail_load_state_dict_inside_constant_is_partial():
+def test_load_state_dict_inside_constant_is_refused_before_any_write():
     m, opt = _stepped()
     state = _zeros(m)
     with ts.constant(m, "head"):
@@ -1468,13 +1462,7 @@ def test_xfail_load_state_dict_inside_constant_is_partial():
         assert_unchanged(before, m, opt)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "polyak_update on a model with parameters of two dtypes, inside ts.constant(m, '1'): "
-    "walk.py runs one _foreach_lerp_ per (device, dtype) group, so the float64 group ('0.*') "
-    "is written before the constant guard refuses the float32 group's '1.weight': a partial "
-    "update (with one dtype the single fused op is refused before any write); expected the "
-    "refusal before the first write, as the optimizers do (_refuse_guarded_step)"))
-def test_xfail_polyak_mixed_dtypes_inside_constant_is_partial():
+def test_polyak_mixed_dtypes_inside_constant_is_refused_before_any_write():
     m = nn.Sequential(nn.Linear(2, 2).double(), nn.Linear(2, 2))
     src = nn.Sequential(nn.Linear(2, 2).double(), nn.Linear(2, 2))
     with ts.constant(m, "1"):

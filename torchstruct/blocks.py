@@ -617,25 +617,48 @@ def _same_data(p: Tensor, new) -> bool:
         for a, b in zip(mine, theirs))
 
 
+def protected_path(tensors) -> str | None:
+    """The path of the first of ``tensors`` whose memory a ``constant`` block of this thread
+    protects, or None (at once when no block is active)."""
+    guards = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Guard)]
+    if not guards:
+        return None
+    for t in tensors:
+        path = next(filter(None, (g._hit(t) for g in guards)), None)
+        if path is not None:
+            return path
+    return None
+
+
+def refuse_constant_writes(what: str, tensors) -> None:
+    """Raise before a write of many tensors (one op per group) when a ``constant`` block of
+    this thread protects any of them: refused before the first group is written, so nothing
+    changes, instead of at the group holding it.
+
+    Raises:
+        RuntimeError: naming the protected parameter's path and ``what`` would write it.
+    """
+    path = protected_path(tensors)
+    if path is not None:
+        raise RuntimeError(
+            f"constant: {what} would write parameter {path!r} inside a ts.constant block; it was "
+            "refused before it changed anything"
+        )
+
+
 def _refuse_guarded_step(optimizer, _args, _kwargs) -> None:
     """An optimizer step about to update a parameter a ``constant`` block of this thread
     protects (one with a gradient: the step would write it) is refused before it starts, so
     that its own state (momentum buffers, moments) is not updated either. Registered once
     for every ``torch.optim.Optimizer``; without an active block it returns at once."""
-    guards = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Guard)]
-    if not guards:
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            path = next(filter(None, (g._hit(p) for g in guards)), None)
-            if path is not None:
-                raise RuntimeError(
-                    f"constant: {type(optimizer).__name__}.step would update parameter {path!r} "
-                    "(it has a gradient) inside a ts.constant block; the step was refused before "
-                    "it changed anything, the optimizer's state included"
-                )
+    path = protected_path(p for group in optimizer.param_groups for p in group["params"]
+                          if p.grad is not None)
+    if path is not None:
+        raise RuntimeError(
+            f"constant: {type(optimizer).__name__}.step would update parameter {path!r} "
+            "(it has a gradient) inside a ts.constant block; the step was refused before "
+            "it changed anything, the optimizer's state included"
+        )
 
 
 _optimizer.register_optimizer_step_pre_hook(_refuse_guarded_step)

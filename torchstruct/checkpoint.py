@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from .blocks import refuse_constant_writes
 from .declare import trainable_parameters
 from .select import _closest
 
@@ -181,6 +182,8 @@ def load_state_dict(
         ValueError: unknown keys (with the closest paths), missing keys (``strict``), values of
             the wrong type, shape, dtype or device, or one tensor given twice (a tied parameter
             under two paths) with different values. Nothing is written.
+        RuntimeError: inside a ``ts.constant`` block protecting a parameter it would write.
+            Nothing is written.
 
     Example:
         >>> import torch, torch.nn as nn, torchstruct as ts
@@ -221,10 +224,11 @@ def load_state_dict(
         raise ValueError(
             "load_state_dict: " + "; ".join(problems[:5]) + more + ". Nothing was written."
         )
+    writes = [(targets[k], v) for k, v in state.items() if v is not targets[k]]
+    refuse_constant_writes("load_state_dict", [t for t, _ in writes])
     with torch.no_grad():
-        for k, v in state.items():
-            if v is not targets[k]:
-                targets[k].copy_(v)
+        for t, v in writes:
+            t.copy_(v)
     return IncompatibleKeys(missing, [])
 
 

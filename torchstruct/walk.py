@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from . import tree as _tree
+from .blocks import refuse_constant_writes
 from .declare import trainable_parameters
 from .select import _closest, index
 
@@ -192,6 +193,8 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
             tensor whose shape, dtype or device differs from the target's (path named).
         TypeError: ``target`` is not a module, ``source`` neither module nor tree, or ``tau``
             not a number.
+        RuntimeError: inside a ``ts.constant`` block protecting a parameter it would update
+            (nothing is written).
 
     Example:
         >>> import torch, torch.nn as nn, torchstruct as ts
@@ -206,5 +209,7 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
     pairs = _trainable(target, "polyak_update")
     sources = _source_tree(target, pairs, source)
     _check_pairs(pairs, sources)
-    _lerp([p for _, p in pairs], sources, tau)
+    targets = [p for _, p in pairs]
+    refuse_constant_writes("polyak_update", targets)
+    _lerp(targets, sources, tau)
     return target
