@@ -1060,13 +1060,8 @@ def test_xfail_structural_grad_bad_flag_runs_the_forward_first(kw):
     assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "attach(model) whose trainable() raises is not rolled back: the model stays registered "
-    "in _state.states with its forward pre-hook installed (and freeze(...) also leaves records), "
-    "though no flag changed; a refused call should leave torchstruct's state as it was "
-    "(hooks.attach installs before State.apply, and only undoes the norm option)"))
 @pytest.mark.parametrize("call", ["attach", "freeze", "unfreeze"])
-def test_xfail_failed_first_attach_leaves_hooks(call):
+def test_failed_first_attach_leaves_hooks(call):
     m = Declares(fail_at=1)
     before = _internal(m)
     with pytest.raises(Boom):
@@ -1096,11 +1091,7 @@ def test_unfreeze_of_an_int_parameter_is_refused_by_path():
     assert _same(before["flags"], snap(m)["flags"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "unfreeze on a model holding an int64 parameter is refused ('No flag was changed') but "
-    "the model has been attached meanwhile (state, forward pre-hook, records): the dtype is "
-    "checked when flags are applied, after attaching; expected torchstruct's state unchanged"))
-def test_xfail_unfreeze_int_parameter_attaches_first():
+def test_unfreeze_int_parameter_attaches_first():
     m = _with_int_parameter()
     before = _internal(m)
     with pytest.raises(ValueError, match="1.idx"):

@@ -208,7 +208,7 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
 
 def push(entry: Entry) -> None:
     """Activate a context and apply the flags it changes at once (or refuse: nothing changes)."""
-    with _state.LOCK:
+    with _state.LOCK, hooks.attached_or_as_before(entry.scope()):
         _drop_dead()
         scope = entry.scope()
         entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
@@ -258,7 +258,7 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
     anchor = (news or olds or [None])[0]
     if anchor is None:
         return
-    with _state.LOCK:
+    with _state.LOCK, hooks.attached_or_as_before(anchor.scope()):
         _drop_dead()
         saved = list(_state.entries)
         for entry in news:  # a stage change continues the stage it replaces: its serial

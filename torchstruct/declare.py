@@ -197,7 +197,7 @@ def mark_trainable(module: nn.Module, *names: str | None) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(f"mark_trainable: expected an nn.Module, got {type(module).__name__}")
     mark = None if names == (None,) else _check_names(module, names, "mark_trainable")
-    with _state.LOCK:
+    with _state.LOCK, hooks.attached_or_as_before(module):
         before = module.__dict__.get(_MARK)
         serial = _state.next_serial()
         _set_mark(module, None if mark is None else (mark, serial))

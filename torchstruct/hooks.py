@@ -21,6 +21,7 @@ also what ``torch.jit.script`` needs.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
@@ -574,13 +575,47 @@ def state_for(module: nn.Module) -> State:
     try:
         st.install()
     except BaseException:  # e.g. a scripted module refuses Python hooks: no state is left
-        _state.states.pop(id(module), None)
-        for other in replaced:
-            _state.states[id(other.root())] = other
-            other.install()
+        _unmake(st, module, replaced)
         raise
     _rebase_entries(before)
     return st
+
+
+def _unmake(st: State, module: nn.Module, replaced: list) -> None:
+    """Drop the new state ``st`` rooted at ``module``; the attached models it replaced are
+    back, as they were."""
+    before = _entry_governors() if replaced else []
+    st.uninstall()
+    if _state.states.get(id(module)) is st:
+        del _state.states[id(module)]
+    st.members, st.last = {}, {}
+    for other in replaced:
+        _state.states[id(other.root())] = other
+        other.install()
+    _rebase_entries(before)
+
+
+@contextlib.contextmanager
+def attached_or_as_before(module):
+    """A call that may attach ``module`` (:func:`state_for`) runs in the block. When it raises
+    and no attached model governed ``module`` before, none does after: its new state and hooks
+    are dropped, with the records the call made, and the attached models it replaced are
+    back. Call under the lock."""
+    if not isinstance(module, nn.Module) or _governing(module) is not None:
+        yield
+        return
+    replaced = [other for other in _state.live_states() if _contains(module, other.root())]
+    known = set(_state.records)
+    try:
+        yield
+    except BaseException:
+        st = _state.state_of(module)
+        if st is not None:
+            _unmake(st, module, replaced)
+        for p in module.parameters():
+            if id(p) not in known:
+                _state.forget(p)
+        raise
 
 
 def _entry_governors() -> list:
@@ -656,7 +691,7 @@ def attach(model: nn.Module, *, freeze_norm_stats: bool | None = None) -> nn.Mod
             f"attach: freeze_norm_stats must be True, False or None, got "
             f"{type(freeze_norm_stats).__name__} {freeze_norm_stats!r}"
         )
-    with _state.LOCK:
+    with _state.LOCK, attached_or_as_before(model):
         st = state_for(model)
         st.install()
         missing = object()
