@@ -243,3 +243,154 @@ def test_bert_mark_trainable_and_sgd_masks_match_torch():
         assert_models(model, twin, what=f"step {step}")
         assert_states(model, ours, twin, theirs, what=f"step {step}")
     assert torch.equal(emb[:32], start[:32]) and not torch.equal(emb[32:], start[32:])
+
+
+# --------------------------------------------------------------------------- UnfreezeSchedule + resume
+
+MILESTONES = {0: "classifier", 2: ["bert.pooler", "bert.encoder.layer.2"],
+              5: "bert.encoder.layer.1", 7: None}
+TWIN_STAGES = {0: ("classifier.",), 2: ("bert.pooler.", "bert.encoder.layer.2."),
+               5: ("bert.encoder.layer.1.",), 7: ("",)}
+
+
+def twin_flags(twin, step):
+    prefixes = tuple(p for s, ps in TWIN_STAGES.items() if s <= step for p in ps)
+    for path, q in twin.named_parameters():
+        q.requires_grad_(path.startswith(prefixes))
+
+
+def scheduled(seed=0):
+    model = bert(seed)
+    schedule = ts.UnfreezeSchedule(model, MILESTONES)
+    groups = ts.param_groups(model, *ts.layer_decay(model, 0.8), weight_decay=0.05)
+    opt = ts.optim.AdamW(groups, lr=LR, eps=EPS, max_grad_norm=1.0)
+    lrs = transformers.get_linear_schedule_with_warmup(opt, 2, 12)
+    return model, schedule, opt, lrs
+
+
+def train(model, schedule, opt, lrs, steps):
+    for step in steps:
+        opt.zero_grad()
+        model(**cls_batch(step)).loss.backward()
+        opt.step()
+        lrs.step()
+        schedule.step()
+
+
+def test_bert_unfreeze_schedule_layer_decay_warmup_match_torch():
+    model, schedule, ours, lrs = scheduled()
+    twin = bert()
+    twin_flags(twin, 0)
+    groups = ts.param_groups(model, *ts.layer_decay(model, 0.8), weight_decay=0.05)
+    theirs = torch.optim.AdamW(twin_groups(groups, twin, 0.01), lr=LR, eps=EPS, foreach=False)
+    tlrs = transformers.get_linear_schedule_with_warmup(theirs, 2, 12)
+    for step in range(9):
+        assert flags(model) == flags(twin), f"flags before step {step}"
+        batch = cls_batch(step)
+        for net, opt in ((model, ours), (twin, theirs)):
+            opt.zero_grad()
+            net(**batch).loss.backward()
+        grads = [None if q.grad is None else q.grad.clone() for q in twin.parameters()]
+        norm = torch.nn.utils.clip_grad_norm_([q for q in twin.parameters() if q.requires_grad],
+                                              1.0)
+        ours.step()
+        theirs.step()
+        for q, g in zip(twin.parameters(), grads):
+            q.grad = g
+        torch.testing.assert_close(ours.last_grad_norm, norm, rtol=RTOL, atol=ATOL)
+        assert_models(model, twin, what=f"step {step}")
+        assert_states(model, ours, twin, theirs, what=f"step {step}")
+        lrs.step()
+        tlrs.step()
+        schedule.step()
+        twin_flags(twin, step + 1)
+    assert schedule.stage == 4 and all(flags(model))
+
+
+@pytest.mark.parametrize("at", [4, 5])
+@pytest.mark.parametrize("trainable_only", [False, True])
+def test_bert_schedule_resume_equals_uninterrupted_run(trainable_only, at):
+    straight = scheduled()
+    train(*straight, range(10))
+
+    first = scheduled()
+    train(*first, range(at))
+    model, schedule, opt, lrs = first
+    weights = ts.state_dict(model) if trainable_only else model.state_dict()
+    buf = save({"model": weights, "opt": opt.state_dict(), "schedule": schedule.state_dict(),
+                "lrs": lrs.state_dict()})
+    del first, model, schedule, opt, lrs
+
+    ckpt = load(buf)
+    # the trainable-only checkpoint needs the same pretrained weights; the full one does not
+    model, schedule, opt, lrs = resumed = scheduled(seed=0 if trainable_only else 1)
+    schedule.load_state_dict(ckpt["schedule"])
+    if trainable_only:
+        ts.load_state_dict(model, ckpt["model"])
+    else:
+        model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    lrs.load_state_dict(ckpt["lrs"])
+    expected = bert()
+    twin_flags(expected, at)
+    assert flags(model) == flags(expected), "flags re-applied at once by load_state_dict"
+    train(*resumed, range(at, 10))
+
+    smodel, sschedule, sopt, slrs = straight
+    assert flags(model) == flags(smodel)
+    assert schedule.state_dict() == sschedule.state_dict()
+    assert_models(model, smodel, exact=True, what="resumed")
+    assert_states(model, opt, smodel, sopt, exact=True, what="resumed")
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in sopt.param_groups]
+
+
+# --------------------------------------------------------------------------- LoRA, accumulation, autocast
+
+def lora_t5(seed=0):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(t5(seed), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q", "v"]))
+    with torch.no_grad():  # lora_B starts at zero: give it values so that everything moves
+        for path, p in model.named_parameters():
+            if "lora_B" in path:
+                p.normal_(0, 0.1)
+    return model
+
+
+@pytest.mark.parametrize("clip", ["ts.clip_by_global_norm(model)", "max_grad_norm"])
+def test_t5_lora_accumulation_autocast_clip_match_torch(clip):
+    torch.manual_seed(5)
+    model = lora_t5()
+    twin = copy.deepcopy(model)
+    # also train T5's shared embedding's layer norms (final_layer_norm) next to LoRA
+    ts.unfreeze(model, "base_model.model.encoder.final_layer_norm")
+    twin.base_model.model.encoder.final_layer_norm.weight.requires_grad_(True)
+    assert flags(model) == flags(twin)
+    folded = clip == "max_grad_norm"
+    groups = ts.param_groups(model, ("*lora_B*", {"lr_scale": 4.0}), weight_decay=0.01)
+    ours = ts.optim.AdamW(groups, lr=LR, eps=EPS, max_grad_norm=0.3 if folded else None)
+    theirs = torch.optim.AdamW(twin_groups(groups, twin, 0.01), lr=LR, eps=EPS, foreach=False)
+    for step in range(4):
+        for net, opt in ((model, ours), (twin, theirs)):
+            opt.zero_grad()
+            for micro in range(3):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = net(**s2s_batch(10 * step + micro)).loss / 3
+                loss.backward()
+        assert_models(model, twin, what=f"accumulated grads, step {step}")
+        saved = [None if q.grad is None else q.grad.clone() for q in twin.parameters()]
+        norm = torch.nn.utils.clip_grad_norm_([q for q in twin.parameters() if q.requires_grad],
+                                              0.3)
+        theirs.step()
+        if folded:
+            ours.step()
+            torch.testing.assert_close(ours.last_grad_norm, norm, rtol=RTOL, atol=ATOL)
+            for q, g in zip(twin.parameters(), saved):
+                q.grad = g
+        else:
+            got = ts.clip_by_global_norm(model, 0.3)
+            torch.testing.assert_close(got, norm, rtol=RTOL, atol=ATOL)
+            ours.step()
+        assert_models(model, twin, what=f"step {step}")
+        assert_states(model, ours, twin, theirs, what=f"step {step}")
+    assert float(norm) > 0.3  # the clip did act
