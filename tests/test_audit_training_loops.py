@@ -519,3 +519,123 @@ def test_structural_grad_reentrant_checkpoint_with_leaf_input(how):
     assert sorted(flat) == ["c.bias", "c.weight"]
     torch.testing.assert_close(flat["c.weight"], ref[0])
     torch.testing.assert_close(flat["c.bias"], ref[1])
+
+
+# --------------------------------------------------------------------------- EMA, deepcopy
+
+class Small(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(20, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 20)
+
+    def forward(self, ids):
+        return self.head(self.body(self.embed(ids)))
+
+
+def small_loss(net, step):
+    g = torch.Generator().manual_seed(500 + step)
+    ids = torch.randint(0, 20, (6, 5), generator=g)
+    return nn.functional.cross_entropy(net(ids).flatten(0, 1), ids.roll(1, 1).flatten())
+
+
+def test_polyak_ema_matches_averaged_model_while_the_schedule_unfreezes():
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    decay = 0.8
+    model = Small()
+    schedule = ts.UnfreezeSchedule(model, {0: "head", 2: "body.3", 4: None})
+    opt = ts.optim.AdamW(model.parameters(), lr=LR)
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    ema = copy.deepcopy(model).requires_grad_(True)  # the copy is plain PyTorch: all its own
+    assert [p.requires_grad for p in averaged.module.parameters()] == flags(model)
+    for step in range(7):
+        opt.zero_grad()
+        small_loss(model, step).backward()
+        opt.step()
+        schedule.step()
+        averaged.update_parameters(model)
+        ts.polyak_update(ema, model, tau=1.0 if step == 0 else 1 - decay)
+        for (path, p), q in zip(ema.named_parameters(), averaged.module.parameters()):
+            assert torch.equal(p, q), f"step {step} {path}"
+        # the averaged copy was not attached: the schedule never touched its flags
+        assert not averaged.module.body[0].weight.requires_grad
+        assert all(p.requires_grad for p in ema.parameters())
+    with torch.no_grad():
+        ids = torch.randint(0, 20, (2, 5))
+        assert torch.equal(averaged(ids), ema(ids))
+        with ts.swap(model, ts.tree.from_module(ema)):
+            assert torch.equal(model(ids), ema(ids))
+
+
+def test_polyak_follows_the_targets_own_flags_documented():
+    """The contract: polyak_update moves the target's trainable parameters only. A target copied
+    while only the head trained keeps those flags (a copy is plain PyTorch): the body is left
+    behind even after the source unfreezes it."""
+    model = Small()
+    schedule = ts.UnfreezeSchedule(model, {0: "head", 1: None})
+    ema = copy.deepcopy(model)
+    start = snapshot(ema)
+    opt = ts.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        small_loss(model, step).backward()
+        opt.step()
+        schedule.step()
+        ts.polyak_update(ema, model, 0.5)
+    assert torch.equal(ema.body[0].weight, start["body.0.weight"])
+    assert not torch.equal(ema.head.weight, start["head.weight"])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "polyak_update into a target network frozen the usual way (copy.deepcopy(model)"
+    ".requires_grad_(False): RL target nets, BYOL/DINO teachers, timm's EMA) silently updates "
+    "nothing, since the target has no trainable parameter; the call returns as if it had "
+    "worked. Expected: the EMA moves toward the source, or a clear error that the target has no "
+    "trainable parameter (never a silent no-op)"))
+def test_polyak_into_a_frozen_target_network_is_not_a_silent_no_op():
+    online = nn.Linear(3, 2)
+    target = copy.deepcopy(online).requires_grad_(False)
+    with torch.no_grad():
+        online.weight.add_(1.0)
+    before = target.weight.detach().clone()
+    try:
+        ts.polyak_update(target, online, tau=0.5)
+    except (ValueError, RuntimeError):
+        return  # a clear error is acceptable
+    assert not torch.equal(target.weight, before), "the target did not move"
+
+
+def test_deepcopy_mid_training_continues_like_the_original():
+    """deepcopy of a model with an active schedule and a permanent freeze, and a fresh optimizer
+    loaded from the original's state: both go on bitwise alike; the copy's flags do not follow
+    the original's later stage changes (the hooks stay with the original)."""
+    model = Small()
+    ts.freeze(model, "embed")
+    schedule = ts.UnfreezeSchedule(model, {0: "head", 2: "body", 6: None})
+    opt = ts.optim.AdamW(model.parameters(), lr=LR, max_grad_norm=1.0)
+    for step in range(3):
+        opt.zero_grad()
+        small_loss(model, step).backward()
+        opt.step()
+        schedule.step()
+    copy_ = copy.deepcopy(model)
+    copy_opt = ts.optim.AdamW(copy_.parameters(), lr=LR, max_grad_norm=1.0)
+    copy_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert flags(copy_) == flags(model)
+    for step in range(3, 6):
+        for net, o in ((model, opt), (copy_, copy_opt)):
+            o.zero_grad()
+            small_loss(net, step).backward()
+            o.step()
+        schedule.step()
+        assert_models(model, copy_, exact=True, what=f"step {step}")
+        assert_states(model, opt, copy_, copy_opt, exact=True, what=f"step {step}")
+    schedule.step()  # step 6: everything but the permanently frozen embedding
+    assert model.body[0].weight.requires_grad and not model.embed.weight.requires_grad
+    with ts.freeze(model, "head"):
+        copy_(torch.zeros(1, 2, dtype=torch.long))
+        assert copy_.head.weight.requires_grad  # not the original's context
+    assert flags(copy_) == [False] + [True] * (len(flags(copy_)) - 1)
