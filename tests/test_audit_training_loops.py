@@ -639,3 +639,91 @@ def test_deepcopy_mid_training_continues_like_the_original():
         copy_(torch.zeros(1, 2, dtype=torch.long))
         assert copy_.head.weight.requires_grad  # not the original's context
     assert flags(copy_) == [False] + [True] * (len(flags(copy_)) - 1)
+
+
+# --------------------------------------------------------------------------- Lightning
+
+class Stack(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(20, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 20)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def stack_loss(net, ids):
+    return nn.functional.cross_entropy(net(ids).flatten(0, 1), ids.roll(1, 1).flatten())
+
+
+def stack_data(n=24):
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, 20, (n, 5), generator=g)
+
+
+@pytest.mark.parametrize("clip", ["lightning gradient_clip_val", "ts max_grad_norm"])
+def test_lightning_module_with_torchstruct_matches_a_plain_loop(clip):
+    L = pytest.importorskip("lightning.pytorch")
+    folded = clip == "ts max_grad_norm"
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = Stack()
+            ts.freeze_except(self.net, "blocks.1", "blocks.2", "norm", "head")
+
+        def training_step(self, batch, _idx):
+            (ids,) = batch
+            return stack_loss(self.net, ids)
+
+        def configure_optimizers(self):
+            groups = ts.param_groups(self, *ts.layer_decay(self, 0.5, layers="net.blocks"),
+                                     weight_decay=0.1)
+            return ts.optim.AdamW(groups, lr=LR, max_grad_norm=0.5 if folded else None)
+
+    module = Module()
+    twin = Stack()
+    for path, q in twin.named_parameters():
+        q.requires_grad_(path.startswith(("blocks.1.", "blocks.2.", "norm.", "head.")))
+    assert [p.requires_grad for p in module.net.parameters()] == flags(twin)
+    groups = ts.param_groups(module, *ts.layer_decay(module, 0.5, layers="net.blocks"),
+                             weight_decay=0.1)
+    by_name = dict(twin.named_parameters())
+    theirs = torch.optim.AdamW(
+        [{"params": [by_name[n[len("net."):]] for n in g["param_names"]],
+          "lr": LR * g.get("lr_scale", 1.0), "weight_decay": g.get("weight_decay", 0.01)}
+         for g in groups], lr=LR, foreach=False)
+
+    data = stack_data()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=3, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, accumulate_grad_batches=2,
+                            gradient_clip_val=None if folded else 0.5)
+        trainer.fit(module, loader)
+    for step in range(3):
+        theirs.zero_grad()
+        for micro in range(2):
+            (stack_loss(twin, data[(2 * step + micro) * 4:(2 * step + micro + 1) * 4]) / 2).backward()
+        torch.nn.utils.clip_grad_norm_([q for q in twin.parameters() if q.requires_grad], 0.5)
+        theirs.step()
+    ours = trainer.optimizers[0]
+    assert trainer.global_step == 3
+    for (path, p), q in zip(module.net.named_parameters(), twin.parameters()):
+        assert p.requires_grad == q.requires_grad, path
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=path)
+        s, t = ours.state.get(p, {}), theirs.state.get(q, {})
+        assert set(s) == set(t), path
+        for k in s:
+            torch.testing.assert_close(torch.as_tensor(s[k]).float(), torch.as_tensor(t[k]).float(),
+                                       rtol=RTOL, atol=ATOL, msg=f"{path} {k}")
+    assert module.net.embed.weight not in ours.state
