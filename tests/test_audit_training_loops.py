@@ -727,3 +727,107 @@ def test_lightning_module_with_torchstruct_matches_a_plain_loop(clip):
             torch.testing.assert_close(torch.as_tensor(s[k]).float(), torch.as_tensor(t[k]).float(),
                                        rtol=RTOL, atol=ATOL, msg=f"{path} {k}")
     assert module.net.embed.weight not in ours.state
+
+
+# --------------------------------------------------------------------------- BatchNorm + schedule
+
+class ConvNet(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.mid = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.mid(self.stem(x)).mean((2, 3)))
+
+
+def conv_loss(net, step):
+    g = torch.Generator().manual_seed(900 + step)
+    x = torch.randn(4, 3, 6, 6, generator=g)
+    y = torch.randint(0, 3, (4,), generator=g)
+    return nn.functional.cross_entropy(net(x), y)
+
+
+CONV_MILESTONES = {0: "head", 2: "mid", 4: None}
+
+
+def conv_run(steps, net=None, schedule=None, opt=None):
+    if net is None:
+        net = ConvNet()
+        schedule = ts.UnfreezeSchedule(net, CONV_MILESTONES)
+        opt = ts.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    for step in steps:
+        opt.zero_grad()
+        conv_loss(net, step).backward()
+        opt.step()
+        schedule.step()
+    return net, schedule, opt
+
+
+def test_batchnorm_held_while_frozen_matches_eval_mode_twin():
+    net, schedule, ours = conv_run([])
+    twin = ConvNet()
+    theirs = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3,
+                             foreach=False)
+    for step in range(6):
+        trains = {"head"} | ({"mid"} if step >= 2 else set()) | ({"stem"} if step >= 4 else set())
+        for name in ("stem", "mid", "head"):
+            getattr(twin, name).requires_grad_(name in trains)
+        twin.train()
+        for name in ("stem", "mid"):  # a frozen BatchNorm: eval behaviour
+            if name not in trains:
+                getattr(twin, name)[1].eval()
+        for n, opt in ((net, ours), (twin, theirs)):
+            opt.zero_grad()
+            conv_loss(n, step).backward()
+            opt.step()
+        assert_models(net, twin, exact=True, what=f"step {step}")
+        for (k, v), (k2, w) in zip(net.state_dict().items(), twin.state_dict().items()):
+            assert k == k2 and torch.equal(v, w), f"step {step} {k}"
+        assert_states(net, ours, twin, theirs, exact=True, what=f"step {step}")
+        schedule.step()
+
+
+@pytest.mark.parametrize("at", [1, 2, 3])
+def test_batchnorm_schedule_trainable_only_resume_equals_uninterrupted(at):
+    straight = conv_run(range(6))[0]
+    net, schedule, opt = conv_run(range(at))
+    buf = save({"weights": ts.state_dict(net), "opt": opt.state_dict(),
+                "schedule": schedule.state_dict()})
+    ckpt = load(buf)
+    fresh = ConvNet()  # the same pretrained weights
+    fresh_schedule = ts.UnfreezeSchedule(fresh, CONV_MILESTONES)
+    fresh_schedule.load_state_dict(ckpt["schedule"])
+    ts.load_state_dict(fresh, ckpt["weights"])
+    fresh_opt = ts.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+    fresh_opt.load_state_dict(ckpt["opt"])
+    conv_run(range(at, 6), fresh, fresh_schedule, fresh_opt)
+    for (k, v), w in zip(straight.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(v, w), k
+
+
+# --------------------------------------------------------------------------- optimizer switch
+
+@pytest.mark.parametrize("direction", ["torch->ts", "ts->torch"])
+def test_switching_between_torch_and_ts_adamw_mid_training(direction):
+    a, b = Small(), Small()
+    ts.freeze(a, "embed")
+    b.embed.requires_grad_(False)
+    first = (torch.optim.AdamW if direction == "torch->ts" else ts.optim.AdamW)
+    second = (ts.optim.AdamW if direction == "torch->ts" else torch.optim.AdamW)
+    kw = dict(lr=LR, weight_decay=0.1, amsgrad=True)
+    opt_a = first(a.parameters(), **kw)
+    opt_b = torch.optim.AdamW(b.parameters(), foreach=False, **kw)
+    for step in range(6):
+        if step == 3:
+            state = load(save(opt_a.state_dict()))
+            opt_a = second(a.parameters(), **kw)
+            opt_a.load_state_dict(state)
+        for net, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            small_loss(net, step).backward()
+            opt.step()
+        assert_models(a, b, what=f"step {step}")
+        assert_states(a, opt_a, b, opt_b, what=f"step {step}")
