@@ -831,3 +831,70 @@ def test_switching_between_torch_and_ts_adamw_mid_training(direction):
             opt.step()
         assert_models(a, b, what=f"step {step}")
         assert_states(a, opt_a, b, opt_b, what=f"step {step}")
+
+
+# --------------------------------------------------------------------------- structural_grad + tree clip, tied
+
+def test_gpt2_tied_structural_grad_tree_clip_manual_sgd_matches_autograd():
+    """Train lm_head (tied to wte) and ln_f with a manual SGD loop on structural_grad trees,
+    clipped by ts.clip_by_global_norm(tree); the twin uses torch.autograd.grad and the
+    clip_grad_norm_ formula. The tied parameter is one leaf, counted once."""
+    model, twin = gpt2(), gpt2()
+    ts.freeze_except(model, "lm_head", "transformer.ln_f")
+    paths = [p for p, _ in ts.trainable_parameters(model)]
+    assert paths == ["transformer.wte.weight", "transformer.ln_f.weight", "transformer.ln_f.bias"]
+    tparams = dict(twin.named_parameters())
+    for path, q in twin.named_parameters():
+        q.requires_grad_(path in paths)
+    for step in range(4):
+        batch = lm_batch(step)
+        value, tree = ts.value_and_grad(lambda m: m(**batch).loss, model)
+        assert sorted(ts.tree.to_flat_dict(tree)) == sorted(paths)
+        norm = ts.clip_by_global_norm(tree, 0.1)
+        loss = twin(**batch).loss
+        ref = torch.autograd.grad(loss, [tparams[p] for p in paths])
+        ref_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in ref]))
+        torch.testing.assert_close(value, loss)
+        torch.testing.assert_close(norm, ref_norm, rtol=RTOL, atol=ATOL)
+        coef = torch.clamp(0.1 / (ref_norm + 1e-6), max=1.0)
+        flat = ts.tree.to_flat_dict(tree)
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for p, r in zip(paths, ref):
+                torch.testing.assert_close(flat[p], r * coef, rtol=RTOL, atol=ATOL, msg=p)
+                params[p].sub_(flat[p], alpha=0.5)
+                tparams[p].sub_(r * coef, alpha=0.5)
+        assert_models(model, twin, grads=False, what=f"step {step}")
+        assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(model.lm_head.weight, model.transformer.wte.weight)
+
+
+def test_gpt2_tied_trainable_only_resume_with_adamw():
+    def build(seed=0):
+        model = gpt2(seed)
+        ts.freeze_except(model, "lm_head", "transformer.h.1.mlp")
+        opt = ts.optim.AdamW(ts.param_groups(model, weight_decay=0.1), lr=LR, eps=EPS,
+                             max_grad_norm=0.5)
+        return model, opt
+
+    def run(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            model(**lm_batch(step)).loss.backward()
+            opt.step()
+
+    straight, sopt = build()
+    run(straight, sopt, range(6))
+    model, opt = build()
+    run(model, opt, range(3))
+    state = ts.state_dict(model)
+    assert "transformer.wte.weight" in state and "lm_head.weight" not in state
+    buf = save({"w": state, "o": opt.state_dict()})
+    model, opt = build()
+    ckpt = load(buf)
+    ts.load_state_dict(model, ckpt["w"])
+    opt.load_state_dict(ckpt["o"])
+    run(model, opt, range(3, 6))
+    assert_models(model, straight, exact=True)
+    assert_states(model, opt, straight, sopt, exact=True)
+    assert model.lm_head.weight is model.transformer.wte.weight
