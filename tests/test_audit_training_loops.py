@@ -898,3 +898,102 @@ def test_gpt2_tied_trainable_only_resume_with_adamw():
     assert_models(model, straight, exact=True)
     assert_states(model, opt, straight, sopt, exact=True)
     assert model.lm_head.weight is model.transformer.wte.weight
+
+
+# --------------------------------------------------------------------------- GradScaler, masks, lr_scale=0
+
+def test_gradscaler_accumulation_masks_and_folded_clip_match_torch():
+    """ts.optim.AdamW(masks, max_grad_norm) stepped by torch.amp.GradScaler over accumulated
+    micro-batches, with an overflow at one step, vs torch: scaler.unscale_, clip_grad_norm_,
+    the mask applied to the gradient (weight decay 0 on the masked embedding)."""
+    a, b = Small(), Small()
+    mask = torch.zeros(20, 8, dtype=torch.bool)
+    mask[15:] = True
+    groups = ts.param_groups(a, ("embed", {"weight_decay": 0.0}), weight_decay=0.1)
+    ours = ts.optim.AdamW(groups, lr=LR, masks={"embed.weight": mask}, max_grad_norm=0.5)
+    theirs = torch.optim.AdamW(twin_groups(groups, b, 0.01), lr=LR, foreach=False)
+    sa = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    sb = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    start = a.embed.weight.detach().clone()
+    for step in range(6):
+        for net, opt in ((a, ours), (b, theirs)):
+            opt.zero_grad()
+            for micro in range(2):
+                scaler = sa if net is a else sb
+                scaler.scale(small_loss(net, 10 * step + micro) / 2).backward()
+            if step == 3:
+                net.head.bias.grad[0] = float("inf")
+        saved = [None if q.grad is None else q.grad.clone() for q in b.parameters()]
+        sb.unscale_(theirs)
+        torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5)
+        b.embed.weight.grad.mul_(mask)
+        sa.step(ours)
+        sb.step(theirs)
+        sa.update()
+        sb.update()
+        for q, g in zip(b.parameters(), saved):
+            q.grad = g
+        assert sa.get_scale() == sb.get_scale()
+        assert_models(a, b, grads=False, what=f"step {step}")
+        for (path, p), q in zip(a.named_parameters(), b.parameters()):  # scaled grads
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL * 2.0 ** 12,
+                                       equal_nan=True, msg=f"step {step} grad {path}")
+        assert_states(a, ours, b, theirs, what=f"step {step}")
+    assert torch.equal(a.embed.weight[:15], start[:15])
+    assert float(ours.state[a.head.weight]["step"]) == 5
+
+
+def test_lr_scale_zero_group_joins_later_with_fresh_state_and_resumes():
+    """A group with lr_scale=0 (skipped like frozen) next to a folded clip; at step 3 it joins
+    (lr_scale=1) and starts from fresh state; a resume after that equals the straight run."""
+    def build():
+        model = Small()
+        groups = ts.param_groups(model, ("body.0", {"lr_scale": 0.0, "name": "late"}),
+                                 weight_decay=0.05)
+        return model, ts.optim.AdamW(groups, lr=LR, max_grad_norm=0.3)
+
+    def run(model, opt, steps):
+        for step in steps:
+            if step == 3:
+                for g in opt.param_groups:
+                    if g["name"].startswith("late"):
+                        g["lr_scale"] = 1.0
+            opt.zero_grad()
+            small_loss(model, step).backward()
+            opt.step()
+
+    model, ours = build()
+    twin = Small()
+    late = [twin.body[0].weight, twin.body[0].bias]
+    rest = [q for q in twin.parameters() if all(q is not x for x in late)]
+    theirs = torch.optim.AdamW([{"params": [twin.embed.weight, twin.body[3].weight,
+                                            twin.head.weight], "weight_decay": 0.05},
+                                {"params": [q for q in rest if q.ndim == 1],
+                                 "weight_decay": 0.0}], lr=LR, foreach=False)
+    for step in range(6):
+        if step == 3:
+            theirs.add_param_group({"params": [late[0]], "weight_decay": 0.05})
+            theirs.add_param_group({"params": [late[1]], "weight_decay": 0.0})
+        run(model, ours, [step])
+        twin.zero_grad()  # the late group is not in the twin's optimizer yet
+        small_loss(twin, step).backward()
+        saved = [q.grad.clone() for q in twin.parameters()]
+        in_opt = [q for g in theirs.param_groups for q in g["params"]]
+        torch.nn.utils.clip_grad_norm_(in_opt, 0.3)
+        theirs.step()
+        for q, g in zip(twin.parameters(), saved):
+            q.grad = g
+        assert_models(model, twin, what=f"step {step}")
+        assert_states(model, ours, twin, theirs, what=f"step {step}")
+
+    straight, sopt = build()
+    run(straight, sopt, range(7))
+    part, popt = build()
+    run(part, popt, range(4))
+    ckpt = load(save({"m": part.state_dict(), "o": popt.state_dict()}))
+    fresh, fopt = build()
+    fresh.load_state_dict(ckpt["m"])
+    fopt.load_state_dict(ckpt["o"])
+    assert [g.get("lr_scale", 1.0) for g in fopt.param_groups] == [1.0] * 4
+    run(fresh, fopt, range(4, 7))
+    assert_models(fresh, straight, exact=True)
