@@ -1054,3 +1054,73 @@ def test_decorated_freeze_with_reentrant_checkpoint_keeps_frozen_part_frozen():
     plain, ckpt = decorated_loop(Ckpt(None)), decorated_loop(Ckpt(True))
     assert torch.equal(ckpt.mid[0].weight, plain.mid[0].weight)
     assert_models(ckpt, plain, grads=False)
+
+
+# --------------------------------------------------------------------------- PEFT + schedule + resume
+
+def lora_gpt2():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(gpt2(), peft.LoraConfig(
+        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["c_attn", "c_fc"],
+        fan_in_fan_out=True))
+    torch.manual_seed(1)
+    with torch.no_grad():  # lora_B starts at zero; then lora_A's first gradients are ~1e-7 and
+        for path, p in model.named_parameters():  # Adam's eps makes them rounding-sensitive
+            if "lora_B" in path:
+                p.normal_(0, 0.1)
+    schedule = ts.UnfreezeSchedule(model, {0: "*.h.1.*", 2: None})
+    opt = ts.optim.AdamW(ts.param_groups(model, ("*lora_B*", {"lr_scale": 2.0}), weight_decay=0.0),
+                         lr=LR, eps=EPS, max_grad_norm=1.0)
+    return model, schedule, opt
+
+
+def lora_run(model, schedule, opt, steps):
+    for step in steps:
+        opt.zero_grad()
+        model(**lm_batch(step)).loss.backward()
+        opt.step()
+        schedule.step()
+
+
+def test_peft_lora_schedule_matches_twin_and_adapter_only_resume():
+    model, schedule, opt = lora_gpt2()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = copy.deepcopy(model)  # a plain copy: its flags are set by hand below
+    peft_flags = {path: "lora_" in path for path, _ in twin.named_parameters()}
+    groups = ts.param_groups(model, ("*lora_B*", {"lr_scale": 2.0}), weight_decay=0.0)
+    theirs = torch.optim.AdamW(twin_groups(groups, twin, 0.0), lr=LR, eps=EPS, foreach=False)
+    for step in range(4):
+        for path, q in twin.named_parameters():
+            q.requires_grad_(peft_flags[path] and (step >= 2 or ".h.1." in path))
+        assert flags(model) == flags(twin), f"step {step}"
+        opt.zero_grad()
+        model(**lm_batch(step)).loss.backward()
+        opt.step()
+        theirs.zero_grad()
+        twin(**lm_batch(step)).loss.backward()
+        saved = [None if q.grad is None else q.grad.clone() for q in twin.parameters()]
+        torch.nn.utils.clip_grad_norm_([q for q in twin.parameters() if q.requires_grad], 1.0)
+        theirs.step()
+        for q, g in zip(twin.parameters(), saved):
+            q.grad = g
+        assert_models(model, twin, what=f"step {step}")
+        assert_states(model, opt, twin, theirs, what=f"step {step}")
+        schedule.step()
+    assert not any(p.requires_grad for path, p in model.named_parameters() if "lora_" not in path)
+
+    straight = lora_gpt2()
+    lora_run(*straight, range(6))
+    part = lora_gpt2()
+    lora_run(*part, range(1))
+    adapters = ts.state_dict(part[0])
+    assert adapters and all("lora_" in k and ".h.1." in k for k in adapters)
+    buf = save({"a": adapters, "o": part[2].state_dict(), "s": part[1].state_dict()})
+    fresh, fschedule, fopt = lora_gpt2()
+    ckpt = load(buf)
+    fschedule.load_state_dict(ckpt["s"])
+    ts.load_state_dict(fresh, ckpt["a"])
+    fopt.load_state_dict(ckpt["o"])
+    lora_run(fresh, fschedule, fopt, range(1, 6))
+    assert_models(fresh, straight[0], exact=True)
+    assert_states(fresh, fopt, straight[0], straight[2], exact=True)
