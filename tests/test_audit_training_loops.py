@@ -1124,3 +1124,51 @@ def test_peft_lora_schedule_matches_twin_and_adapter_only_resume():
     lora_run(fresh, fschedule, fopt, range(1, 6))
     assert_models(fresh, straight[0], exact=True)
     assert_states(fresh, fopt, straight[0], straight[2], exact=True)
+
+
+# --------------------------------------------------------------------------- MAML: create_graph + swap
+
+def test_maml_second_order_with_structural_grad_and_swap_matches_functional_call():
+    """Meta-learning: inner gradients by structural_grad(create_graph=True), fast weights by
+    map_trainable, the outer loss under ts.swap, meta step by ts.optim.AdamW; a frozen
+    feature layer. Twin: torch.func.functional_call and torch.autograd.grad."""
+    def make():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                             nn.Linear(8, 1))
+
+    model, twin = make(), make()
+    ts.freeze(model, "0")
+    twin[0].requires_grad_(False)
+    meta = ts.optim.AdamW(model.parameters(), lr=LR)
+    tmeta = torch.optim.AdamW([q for q in twin.parameters() if q.requires_grad], lr=LR,
+                              foreach=False)
+    names = [n for n, q in twin.named_parameters() if q.requires_grad]
+    alpha = 0.3
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        xs, ys, xq, yq = (torch.randn(5, 3, generator=g), torch.randn(5, 1, generator=g),
+                          torch.randn(5, 3, generator=g), torch.randn(5, 1, generator=g))
+        meta.zero_grad()
+        inner = ts.structural_grad(model, lambda m: nn.functional.mse_loss(m(xs), ys),
+                                   create_graph=True)
+        fast = ts.map_trainable(lambda p, gr: p - alpha * gr, model, inner)
+        with ts.swap(model, fast):
+            outer = nn.functional.mse_loss(model(xq), yq)
+        outer.backward()
+        meta.step()
+
+        tmeta.zero_grad()
+        params = dict(twin.named_parameters())
+        tl = nn.functional.mse_loss(torch.func.functional_call(twin, params, (xs,)), ys)
+        tg = torch.autograd.grad(tl, [params[n] for n in names], create_graph=True)
+        tfast = dict(params)
+        tfast.update({n: params[n] - alpha * gr for n, gr in zip(names, tg)})
+        touter = nn.functional.mse_loss(torch.func.functional_call(twin, tfast, (xq,)), yq)
+        touter.backward()
+        tmeta.step()
+
+        torch.testing.assert_close(outer, touter)
+        assert_models(model, twin, what=f"meta step {step}")
+        assert_states(model, meta, twin, tmeta, what=f"meta step {step}")
+    assert model[0].weight.grad is None
