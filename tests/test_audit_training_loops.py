@@ -1172,3 +1172,29 @@ def test_maml_second_order_with_structural_grad_and_swap_matches_functional_call
         assert_models(model, twin, what=f"meta step {step}")
         assert_states(model, meta, twin, tmeta, what=f"meta step {step}")
     assert model[0].weight.grad is None
+
+
+# --------------------------------------------------------------------------- bf16 parameters
+
+def test_bf16_model_adamw_with_frozen_part_matches_torch_fused():
+    """bfloat16 parameters: ts.optim.AdamW computes in float32 and rounds once, as torch's
+    fused AdamW does: bitwise equal over a loop with a frozen embedding and a context."""
+    a, b = Small().to(torch.bfloat16), Small().to(torch.bfloat16)
+    ts.freeze(a, "embed")
+    b.embed.requires_grad_(False)
+    oa = ts.optim.AdamW(a.parameters(), lr=LR, weight_decay=0.1)
+    ob = torch.optim.AdamW([q for q in b.parameters() if q.requires_grad], lr=LR,
+                           weight_decay=0.1, fused=True)
+    for step in range(5):
+        if step == 2:
+            ctx = ts.freeze(a, "body.0")
+            b.body[0].requires_grad_(False)
+        for net, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            small_loss(net, step).backward()
+            opt.step()
+        if step == 3:
+            ctx.__exit__(None, None, None)
+            b.body[0].requires_grad_(True)
+        assert_models(a, b, exact=True, what=f"step {step}")
+        assert_states(a, oa, b, ob, exact=True, what=f"step {step}")
