@@ -1198,3 +1198,34 @@ def test_bf16_model_adamw_with_frozen_part_matches_torch_fused():
             b.body[0].requires_grad_(True)
         assert_models(a, b, exact=True, what=f"step {step}")
         assert_states(a, oa, b, ob, exact=True, what=f"step {step}")
+
+
+class CkptConvNet(ConvNet):
+    def forward(self, x):
+        h = checkpoint(self.mid, self.stem(x), use_reentrant=False)
+        return self.head(h.mean((2, 3)))
+
+
+def test_batchnorm_hold_inside_non_reentrant_checkpoint_matches_plain_run():
+    """A held (frozen) BatchNorm inside a non-reentrant checkpoint: the recomputation in
+    backward normalizes as the forward did and updates nothing; equals the run without
+    checkpoint. (Once it trains, the recomputation updates its statistics a second time:
+    PyTorch's own checkpoint behaviour, so only parameters are compared from then on.)"""
+    for steps in (2, 6):
+        plain = conv_run(range(steps))[0]
+        net = CkptConvNet()
+        schedule = ts.UnfreezeSchedule(net, CONV_MILESTONES)
+        opt = ts.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+        conv_run(range(steps), net, schedule, opt)
+        for (k, v), w in zip(plain.state_dict().items(), net.state_dict().values()):
+            if steps == 2 or not k.startswith("mid.1.running") and k != "mid.1.num_batches_tracked":
+                assert torch.equal(v, w), f"{steps} steps: {k}"
+
+
+def test_schedule_state_from_other_milestones_is_refused_and_changes_nothing():
+    model = Small()
+    schedule = ts.UnfreezeSchedule(model, {0: "head", 2: "body", 4: None})
+    before = flags(model)
+    with pytest.raises((ValueError, KeyError)):
+        schedule.load_state_dict({"step": 3, "milestones": [0, 3, 5]})
+    assert flags(model) == before and schedule.current_step == 0
