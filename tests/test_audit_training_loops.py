@@ -1229,3 +1229,32 @@ def test_schedule_state_from_other_milestones_is_refused_and_changes_nothing():
     with pytest.raises((ValueError, KeyError)):
         schedule.load_state_dict({"step": 3, "milestones": [0, 3, 5]})
     assert flags(model) == before and schedule.current_step == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_frozen_batchnorm_next_to_a_trained_conv_in_a_checkpoint(reentrant):
+    """mid.0 (conv) trains, mid.1 (BatchNorm) is frozen and held, inside a checkpoint that is
+    recomputed in backward: same parameters and statistics as without the checkpoint."""
+    class Net(ConvNet):
+        def forward(self, x):
+            h = self.stem(x)
+            if self.ck:
+                h = checkpoint(self.mid, h, use_reentrant=reentrant)
+            else:
+                h = self.mid(h)
+            return self.head(h.mean((2, 3)))
+
+    runs = []
+    for ck in (False, True):
+        net = Net()
+        net.ck = ck
+        ts.freeze(net, "mid.1")
+        opt = ts.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        for step in range(4):
+            opt.zero_grad()
+            conv_loss(net, step).backward()
+            opt.step()
+        runs.append(net)
+    for (k, v), w in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
+        assert torch.equal(v, w), k
+    assert int(runs[1].mid[1].num_batches_tracked) == 0
