@@ -1263,3 +1263,58 @@ def test_frozen_batchnorm_next_to_a_trained_conv_in_a_checkpoint(reentrant):
     for (k, v), w in zip(runs[0].state_dict().items(), runs[1].state_dict().values()):
         assert torch.equal(v, w), k
     assert int(runs[1].mid[1].num_batches_tracked) == 0
+
+
+# --------------------------------------------------------------------------- GAN: alternating contexts
+
+def gan(seed=0):
+    torch.manual_seed(seed)
+    return nn.ModuleDict({
+        "G": nn.Sequential(nn.Linear(4, 8), nn.LeakyReLU(0.2), nn.Linear(8, 3)),
+        "D": nn.Sequential(nn.Linear(3, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1)),
+    })
+
+
+@pytest.mark.parametrize("g_step_block", ["freeze", "stop_gradient"])
+def test_gan_alternating_freeze_blocks_with_two_optimizers_match_torch(g_step_block):
+    model, twin = gan(), gan()
+    opt_g = ts.optim.AdamW(model["G"].parameters(), lr=LR, betas=(0.5, 0.9))
+    opt_d = ts.optim.AdamW(model["D"].parameters(), lr=LR, betas=(0.5, 0.9), max_grad_norm=1.0)
+    t_g = torch.optim.AdamW(twin["G"].parameters(), lr=LR, betas=(0.5, 0.9), foreach=False)
+    t_d = torch.optim.AdamW(twin["D"].parameters(), lr=LR, betas=(0.5, 0.9), foreach=False)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        z, real = torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g) + 2.0
+        ones, zeros = torch.ones(6, 1), torch.zeros(6, 1)
+        # D step: G frozen
+        with ts.freeze(model, "G"):
+            opt_d.zero_grad()
+            fake = model["G"](z)
+            assert not fake.requires_grad
+            (bce(model["D"](real), ones) + bce(model["D"](fake), zeros)).backward()
+            opt_d.step()
+        twin["G"].requires_grad_(False)
+        t_d.zero_grad()
+        (bce(twin["D"](real), ones) + bce(twin["D"](twin["G"](z)), zeros)).backward()
+        saved = [q.grad.clone() for q in twin["D"].parameters()]
+        torch.nn.utils.clip_grad_norm_(twin["D"].parameters(), 1.0)
+        t_d.step()
+        for q, s in zip(twin["D"].parameters(), saved):
+            q.grad = s
+        twin["G"].requires_grad_(True)
+        # G step: D frozen (or treated as a constant)
+        block = ts.freeze(model, "D") if g_step_block == "freeze" else ts.stop_gradient(model, "D")
+        with block:
+            opt_g.zero_grad()
+            bce(model["D"](model["G"](z)), ones).backward()
+            opt_g.step()
+        twin["D"].requires_grad_(False)
+        t_g.zero_grad()
+        bce(twin["D"](twin["G"](z)), ones).backward()
+        t_g.step()
+        twin["D"].requires_grad_(True)
+        assert_models(model, twin, what=f"step {step}")
+        assert_states(model, opt_g, twin, t_g, what=f"G step {step}")
+        assert_states(model, opt_d, twin, t_d, what=f"D step {step}")
+    assert all(flags(model))
