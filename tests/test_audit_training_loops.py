@@ -1318,3 +1318,32 @@ def test_gan_alternating_freeze_blocks_with_two_optimizers_match_torch(g_step_bl
         assert_states(model, opt_g, twin, t_g, what=f"G step {step}")
         assert_states(model, opt_d, twin, t_d, what=f"D step {step}")
     assert all(flags(model))
+
+
+def test_pickled_model_mid_schedule_is_plain_pytorch():
+    """torch.save(model) of a whole model mid-schedule (with a declaration) and torch.load: the
+    loaded copy keeps the flags it was saved with, its forwards write no flag, the original's
+    later stage changes do not reach it, and training it equals training a hand-flagged twin."""
+    model = Small()
+    schedule = ts.UnfreezeSchedule(model, {0: "head", 2: "body", 4: None})
+    ts.mark_trainable(model.body, "0", "3")
+    ids = torch.zeros(1, 2, dtype=torch.long)
+    model(ids)
+    loaded = load(save(model))
+    saved_flags = flags(loaded)
+    assert saved_flags == flags(model)
+    twin = Small()
+    for q, f in zip(twin.parameters(), saved_flags):
+        q.requires_grad_(f)
+    oa = torch.optim.SGD(loaded.parameters(), lr=0.1)
+    ob = torch.optim.SGD(twin.parameters(), lr=0.1)
+    for step in range(4):
+        schedule.step()
+        model(ids)
+        for net, opt in ((loaded, oa), (twin, ob)):
+            opt.zero_grad()
+            small_loss(net, step).backward()
+            opt.step()
+        assert flags(loaded) == saved_flags
+        assert_models(loaded, twin, exact=True, what=f"step {step}")
+    assert flags(model) != saved_flags  # the original moved on
