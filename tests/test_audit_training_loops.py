@@ -1376,3 +1376,52 @@ def test_llama_reentrant_checkpointing_structural_grad_matches_backward():
     assert sorted(flat) == sorted(n for n, _ in trained)
     for n, p in trained:
         torch.testing.assert_close(flat[n], p.grad, msg=n)
+
+
+def test_gpt2_resize_token_embeddings_mid_training_then_train_new_rows_only():
+    """Fine-tune the tied embedding under a permanent freeze_except, add tokens with HF's
+    resize_token_embeddings (a new tied Parameter, which the context follows), then train only
+    the new rows with a path-keyed mask; vs torch with the gradient masked by hand. (New rows of
+    tokens absent from a batch get gradients ~1e-7: a larger eps keeps Adam's first step from
+    amplifying rounding there.)"""
+    model, twin = gpt2(), gpt2()
+    ts.freeze_except(model, "lm_head", "transformer.ln_f")
+    for path, q in twin.named_parameters():
+        q.requires_grad_(path in ("transformer.wte.weight", "transformer.ln_f.weight",
+                                  "transformer.ln_f.bias"))
+    ours = ts.optim.AdamW(model.parameters(), lr=LR, eps=1e-3, weight_decay=0.0)
+    theirs = torch.optim.AdamW(twin.parameters(), lr=LR, eps=1e-3, weight_decay=0.0,
+                               foreach=False)
+    for step in range(2):
+        _gpt2_step(model, ours, lm_batch(step))
+        _gpt2_step(twin, theirs, lm_batch(step))
+        assert_models(model, twin, what=f"step {step}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(11)
+        model.resize_token_embeddings(56)
+        torch.manual_seed(11)
+        twin.resize_token_embeddings(56)
+    twin.transformer.wte.weight.requires_grad_(True)
+    rows = torch.zeros(56, 16, dtype=torch.bool)
+    rows[48:] = True
+    ours = ts.optim.AdamW(ts.param_groups(model, no_decay=None), lr=LR, eps=1e-3,
+                          weight_decay=0.0, masks={"transformer.wte.weight": rows})
+    theirs = torch.optim.AdamW([q for q in twin.parameters() if q.requires_grad], lr=LR,
+                               eps=1e-3, weight_decay=0.0, foreach=False)
+    old = model.transformer.wte.weight[:48].detach().clone()
+    for step in range(2, 5):
+        batch = lm_batch(step, vocab=56)
+        ours.zero_grad()
+        model(**batch).loss.backward()
+        ours.step()
+        theirs.zero_grad()
+        twin(**batch).loss.backward()
+        saved = twin.transformer.wte.weight.grad.clone()
+        twin.transformer.wte.weight.grad.mul_(rows)
+        theirs.step()
+        twin.transformer.wte.weight.grad = saved
+        assert_models(model, twin, what=f"step {step}")
+    emb = model.transformer.wte.weight
+    assert emb.shape == (56, 16) and emb.requires_grad and model.lm_head.weight is emb
+    assert torch.equal(emb[:48], old)
