@@ -1425,3 +1425,61 @@ def test_gpt2_resize_token_embeddings_mid_training_then_train_new_rows_only():
     emb = model.transformer.wte.weight
     assert emb.shape == (56, 16) and emb.requires_grad and model.lm_head.weight is emb
     assert torch.equal(emb[:48], old)
+
+
+def test_lightning_checkpoint_restores_masks_and_continues_like_a_straight_run(tmp_path):
+    """Lightning: ts.optim.AdamW with a path-keyed element mask in configure_optimizers; the
+    checkpoint written by trainer.save_checkpoint after 2 steps (one epoch) is loaded into a
+    fresh module (weights) and a fresh optimizer built without masks= (optimizer_states), and 2
+    more steps equal 4 straight steps; the mask came back from the checkpoint. (The restore is
+    done by hand: Lightning's own ckpt_path resume after max_steps differs from the straight
+    run with torch.optim.AdamW too.)"""
+    L = pytest.importorskip("lightning.pytorch")
+    rows = torch.zeros(20, 8, dtype=torch.bool)
+    rows[15:] = True
+
+    class Module(L.LightningModule):
+        def __init__(self, masks, optimizer_state=None):
+            super().__init__()
+            self.net = Stack()
+            self.masks = masks
+            self.optimizer_state = optimizer_state
+            ts.freeze(self.net, "blocks.0")
+
+        def training_step(self, batch, _idx):
+            return stack_loss(self.net, batch[0])
+
+        def configure_optimizers(self):
+            opt = ts.optim.AdamW(ts.param_groups(self, weight_decay=0.1), lr=LR,
+                                 max_grad_norm=1.0,
+                                 masks={"net.embed.weight": rows} if self.masks else None)
+            if self.optimizer_state is not None:
+                opt.load_state_dict(self.optimizer_state)
+            return opt
+
+    def fit(module, steps):
+        loader = torch.utils.data.DataLoader(  # 2 batches: the save falls at an epoch's end
+            torch.utils.data.TensorDataset(stack_data(8)), batch_size=4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, default_root_dir=tmp_path)
+            trainer.fit(module, loader)
+        return trainer
+
+    straight = Module(True)
+    fit(straight, 4)
+    first = Module(True)
+    trainer = fit(first, 2)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    ckpt = torch.load(tmp_path / "mid.ckpt", weights_only=False)
+    resumed = Module(False, ckpt["optimizer_states"][0])
+    resumed.load_state_dict(ckpt["state_dict"])
+    trainer = fit(resumed, 2)
+    opt = trainer.optimizers[0]
+    assert torch.equal(opt.masks[resumed.net.embed.weight], rows)
+    start = Stack().embed.weight
+    assert torch.equal(resumed.net.embed.weight[:15], start[:15])
+    for (path, p), q in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), path
