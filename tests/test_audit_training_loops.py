@@ -494,14 +494,6 @@ def test_structural_grad_as_training_gradient_with_checkpointing_matches_autogra
         assert_models(model, twin, grads=False, what=f"step {step}")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structural_grad through a reentrant checkpoint whose direct input is a leaf tensor that "
-    "requires grad (an input with requires_grad_(), or the checkpoint input made to require grad "
-    "as HF's enable_input_require_grads / the docs advise) and whose own parameters are not "
-    "asked: the exact-backward path switches that leaf's requires_grad off, the checkpoint's "
-    "recomputation then records nothing and torch raises 'none of output has "
-    "requires_grad=True, this checkpoint() is not necessary'. Expected: the asked gradient, "
-    "equal to what .backward() accumulates"))
 @pytest.mark.parametrize("how", ["frozen block", "wrt"])
 def test_structural_grad_reentrant_checkpoint_with_leaf_input(how):
     torch.manual_seed(0)
@@ -1349,13 +1341,6 @@ def test_pickled_model_mid_schedule_is_plain_pytorch():
     assert flags(model) != saved_flags  # the original moved on
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Llama (HF) with gradient_checkpointing_enable(use_reentrant=True) and "
-    "enable_input_require_grads() (the remedy docs/structural.md names), the bottom frozen by "
-    "ts.freeze_except: structural_grad raises torch's 'none of output has requires_grad=True, "
-    "this checkpoint() is not necessary' for every wrt, including None, while .backward() works. "
-    "The first decoder layer's checkpoint takes the embedding output itself, a leaf the exact "
-    "path switches off. Expected: the gradients .backward() gives"))
 def test_llama_reentrant_checkpointing_structural_grad_matches_backward():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32,

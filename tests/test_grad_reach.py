@@ -140,6 +140,50 @@ def test_reentrant_checkpoint_leaves_grads_flags_and_inputs_alone():
     assert [p.requires_grad for p in m.parameters()] == flags
 
 
+class FedDirectly(nn.Module):
+    """A checkpoint whose input is a leaf outside the model (HF's enable_input_require_grads
+    on an embedding's output, or an input with requires_grad_()), its function frozen or not
+    asked."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mid = nn.Linear(4, 4)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, h):
+        return self.out(checkpoint(self.mid, h, use_reentrant=True)).sum()
+
+
+@pytest.mark.parametrize("stale", [None, 3.0])
+@pytest.mark.parametrize("how", ["frozen", "wrt"])
+def test_reentrant_checkpoint_fed_by_a_leaf_gives_the_gradients_and_keeps_its_grad(how, stale):
+    m = FedDirectly()
+    h = torch.randn(3, 4).requires_grad_()
+    h.grad = None if stale is None else torch.full((3, 4), stale)
+    ref = backward_grads(m, lambda mm: mm(h.detach().requires_grad_()), "out")
+    if how == "frozen":
+        with ts.freeze(m, "mid"):
+            g = ts.structural_grad(m, lambda mm: mm(h))
+    else:
+        g = ts.structural_grad(m, lambda mm: mm(h), wrt="out")
+    assert_equal_to(g, ref)
+    assert h.requires_grad
+    assert (h.grad is None) if stale is None else bool((h.grad == stale).all())
+    assert all(p.grad is None and p.requires_grad for p in m.parameters())
+
+
+def test_reentrant_checkpoint_fed_by_a_hooked_leaf_is_refused_and_changes_nothing():
+    m = FedDirectly()
+    h = torch.randn(3, 4).requires_grad_()
+    calls = []
+    h.register_hook(lambda g: calls.append(g))
+    with pytest.raises(RuntimeError, match="feeds a reentrant activation checkpoint has a gradi"):
+        ts.structural_grad(m, lambda mm: mm(h), wrt="out")
+    assert not calls and h.grad is None
+    assert all(p.grad is None and p.requires_grad for p in m.parameters())
+
+
 def test_reentrant_checkpoint_other_model_inside_is_left_alone():
     """A foreign module called inside the checkpoint: its parameters get no .grad."""
     m, (x, y) = Ckpt(), data()

@@ -374,13 +374,15 @@ def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list,
         )
     _check_no_backward_side_effects(model, asked, nodes)
     ids = {id(p) for _, p in asked}
+    fed = _fed_leaves(model, checkpoints)
     others = _leaves(nodes)
     for node in checkpoints:
         for m in modules_behind(getattr(node, "run_function", None)):
             others.extend(m.parameters())
     with _only(model, asked):
-        off = list({id(t): t for t in others if id(t) not in ids and t.requires_grad}.values())
-        saved = [(p, p.grad) for _, p in asked]
+        off = list({id(t): t for t in others
+                    if id(t) not in ids and id(t) not in fed and t.requires_grad}.values())
+        saved = [(p, p.grad) for _, p in asked] + [(t, t.grad) for t in fed.values()]
         try:
             for t in off:
                 t.requires_grad_(False)
@@ -396,6 +398,33 @@ def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list,
     if all(g is None for g in grads):
         raise ValueError(_unreachable(asked))
     return grads
+
+
+def _fed_leaves(model: nn.Module, checkpoints: list) -> dict:
+    """``id -> tensor`` of the leaves outside the model that requiring grad feed a reentrant
+    checkpoint directly (an input made to require grad, HF's ``enable_input_require_grads``
+    on an embedding's output): they keep requiring grad, since the checkpoint's recomputation
+    takes its inputs' flags (switched off, a frozen function would record nothing), and get
+    their ``.grad`` back afterwards.
+
+    Raises:
+        RuntimeError: such a leaf has a gradient hook, which the backward would run.
+    """
+    params = {id(p) for p in model.parameters()}
+    fed = {}
+    for node in checkpoints:
+        for fn, _ in node.next_functions:
+            t = getattr(fn, "variable", None)
+            if t is not None and id(t) not in params and t.requires_grad:
+                if t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None):
+                    raise RuntimeError(
+                        "structural_grad: a tensor outside the model that feeds a reentrant "
+                        "activation checkpoint has a gradient hook, and the exact path through "
+                        "the checkpoint runs a real backward, which would call it. Use "
+                        "use_reentrant=False, or remove the hook for this call"
+                    )
+                fed[id(t)] = t
+    return fed
 
 
 def _check_no_backward_side_effects(model: nn.Module, asked: Pairs, nodes: set) -> None:
