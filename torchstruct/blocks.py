@@ -617,10 +617,15 @@ def _same_data(p: Tensor, new) -> bool:
         for a, b in zip(mine, theirs))
 
 
-def protected_path(tensors) -> str | None:
+def _guards() -> list:
+    """This thread's active ``constant`` blocks."""
+    return [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Guard)]
+
+
+def protected_path(tensors, guards=None) -> str | None:
     """The path of the first of ``tensors`` whose memory a ``constant`` block of this thread
-    protects, or None (at once when no block is active)."""
-    guards = [m for m in _get_current_dispatch_mode_stack() if isinstance(m, _Guard)]
+    (or of ``guards``) protects, or None (at once when no block is active)."""
+    guards = _guards() if guards is None else guards
     if not guards:
         return None
     for t in tensors:
@@ -651,8 +656,11 @@ def _refuse_guarded_step(optimizer, _args, _kwargs) -> None:
     protects (one with a gradient: the step would write it) is refused before it starts, so
     that its own state (momentum buffers, moments) is not updated either. Registered once
     for every ``torch.optim.Optimizer``; without an active block it returns at once."""
-    path = protected_path(p for group in optimizer.param_groups for p in group["params"]
-                          if p.grad is not None)
+    guards = _guards()
+    if not guards:
+        return
+    path = protected_path([p for group in optimizer.param_groups for p in group["params"]
+                           if p.grad is not None], guards)
     if path is not None:
         raise RuntimeError(
             f"constant: {type(optimizer).__name__}.step would update parameter {path!r} "
