@@ -189,8 +189,9 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
         ``target``.
 
     Raises:
-        ValueError: ``tau`` outside [0, 1]; a trainable path missing from ``source``; a source
-            tensor whose shape, dtype or device differs from the target's (path named).
+        ValueError: ``tau`` outside [0, 1]; ``target`` has parameters but none is trainable
+            (nothing would move); a trainable path missing from ``source``; a source tensor
+            whose shape, dtype or device differs from the target's (path named).
         TypeError: ``target`` is not a module, ``source`` neither module nor tree, or ``tau``
             not a number.
         RuntimeError: inside a ``ts.constant`` block protecting a parameter it would update
@@ -207,6 +208,13 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
     """
     tau = _check_tau(tau)
     pairs = _trainable(target, "polyak_update")
+    if not pairs and next(target.parameters(), None) is not None:
+        raise ValueError(
+            "polyak_update: no parameter of target is trainable, so nothing would be updated "
+            "(a target network frozen with requires_grad_(False)?); the update follows "
+            "target's trainable parameters: to update all of them, call it inside "
+            "`with ts.unfreeze(target):`"
+        )
     sources = _source_tree(target, pairs, source)
     _check_pairs(pairs, sources)
     targets = [p for _, p in pairs]
