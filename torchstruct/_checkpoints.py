@@ -5,7 +5,9 @@ Used by structural gradients and by the DDP check of blocks."""
 from __future__ import annotations
 
 import functools
+import threading
 
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -37,3 +39,82 @@ def modules_behind(fn, depth: int = 4):
                 yield from modules_behind(cell.cell_contents, depth - 1)
             except ValueError:  # an empty cell
                 pass
+
+
+# ----------------------------------------------------------------------------- the forward
+# torch's reentrant checkpoint forward is wrapped only while some part of torchstruct looks at
+# it (``around``), and put back as it was (the staticmethod itself) when none does.
+_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
+_FORWARD = _CHECKPOINT.__dict__["forward"]
+_AROUND_LOCK = threading.Lock()
+_AROUND: dict = {}  # key -> around(forward, ctx, run_function, preserve_rng_state, *args)
+
+
+def around(key: str, fn) -> None:
+    """Run ``CheckpointFunction.forward`` through ``fn(forward, ctx, run_function,
+    preserve_rng_state, *args)`` (which calls ``forward`` with the rest), or stop (``fn`` None).
+    Several compose, in the order they were first given."""
+    with _AROUND_LOCK:
+        if fn is None:
+            _AROUND.pop(key, None)
+        else:
+            _AROUND[key] = fn
+        _CHECKPOINT.forward = staticmethod(_forward) if _AROUND else _FORWARD
+
+
+def _forward(ctx, run_function, preserve_rng_state, *args):
+    forward = _FORWARD.__func__
+    for fn in list(_AROUND.values()):
+        forward = functools.partial(fn, forward)
+    return forward(ctx, run_function, preserve_rng_state, *args)
+
+
+def records_nothing(args) -> bool:
+    """A reentrant checkpoint given ``args`` records nothing: none of them requires grad."""
+    return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+# ----------------------------------------------------------------------------- flags kept
+def keep_flags(on: bool) -> None:
+    """While a flag context is active (``on``), a reentrant checkpoint that records remembers
+    the flags the active contexts decide, and its recomputation in backward runs with them."""
+    around("flags", _remember_flags if on else None)
+
+
+def _remember_flags(forward, ctx, run_function, preserve_rng_state, *args):
+    out = forward(ctx, run_function, preserve_rng_state, *args)
+    if not records_nothing(args):
+        flags = _decided_flags()
+        if flags:
+            ctx.run_function = functools.partial(_recompute, flags, ctx.run_function)
+    return out
+
+
+def _decided_flags() -> tuple:
+    """``(parameter, flag now)`` of every parameter an active context decided about."""
+    from . import _state
+
+    seen = {}
+    for entry in list(_state.entries):
+        for p, _ in list(entry.decided.values()):
+            if isinstance(p, nn.Parameter):
+                seen[id(p)] = (p, p.requires_grad)
+    return tuple(seen.values())
+
+
+def _recompute(flags: tuple, run_function, *args):
+    """A checkpoint's recomputation (in backward) with the flags its forward ran with: a
+    context entered around the forward and left before the backward (a decorated training
+    step whose loss is backpropagated after it returns) would otherwise record gradients for
+    parameters the forward had frozen, or none for those it trained. Flags that moved since
+    are set back for the recomputation only, and restored after it."""
+    moved = [(p, flag) for p, flag in flags if p.requires_grad is not flag]
+    if not moved:
+        return run_function(*args)
+    for p, flag in moved:
+        p.requires_grad_(flag)
+    try:
+        return run_function(*args)
+    finally:
+        for p, flag in moved:
+            p.requires_grad_(not flag)

@@ -12,6 +12,7 @@ raises.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
@@ -22,7 +23,7 @@ from typing import Callable, ClassVar
 
 from torch import nn
 
-from . import _state, hooks
+from . import _checkpoints, _state, hooks
 from .select import ParamIndex, index, select
 
 __all__ = ["freeze", "freeze_except", "unfreeze", "RestoredFlagsWarning"]
@@ -176,6 +177,18 @@ def _drop_dead() -> None:
     _state.entries[:] = [e for e in _state.entries if e.scope() is not None]
 
 
+@contextlib.contextmanager
+def _changing_entries():
+    """Under the lock, a change of the stack of contexts: afterwards, reentrant checkpoints
+    remember the flags the contexts decide while any is active (:mod:`._checkpoints`)."""
+    with _state.LOCK:
+        try:
+            _drop_dead()
+            yield
+        finally:
+            _checkpoints.keep_flags(bool(_state.entries))
+
+
 def _apply_around(entry: Entry, refuse: bool = True) -> list:
     """Apply every state whose model shares a parameter with the entry's scope; the changes."""
     scope = entry.scope()
@@ -208,8 +221,7 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
 
 def push(entry: Entry) -> None:
     """Activate a context and apply the flags it changes at once (or refuse: nothing changes)."""
-    with _state.LOCK, hooks.attached_or_as_before(entry.scope()):
-        _drop_dead()
+    with _changing_entries(), hooks.attached_or_as_before(entry.scope()):
         scope = entry.scope()
         entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
         entry.serial = _state.next_serial()
@@ -229,9 +241,8 @@ def push(entry: Entry) -> None:
 
 def pop(entry: Entry) -> None:
     """Deactivate a context (wherever it is in the stack) and restore the flags."""
-    with _state.LOCK:
+    with _changing_entries():
         _state.entries[:] = [e for e in _state.entries if e is not entry]
-        _drop_dead()
         scope = entry.scope()
         governing = hooks.state_for(scope) if scope is not None else None
         if governing is not None:
@@ -258,8 +269,7 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
     anchor = (news or olds or [None])[0]
     if anchor is None:
         return
-    with _state.LOCK, hooks.attached_or_as_before(anchor.scope()):
-        _drop_dead()
+    with _changing_entries(), hooks.attached_or_as_before(anchor.scope()):
         saved = list(_state.entries)
         for entry in news:  # a stage change continues the stage it replaces: its serial
             scope = entry.scope()

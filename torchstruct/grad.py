@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _dtensor, _state
 from . import tree as _tree
-from ._checkpoints import is_reentrant_checkpoint, modules_behind
+from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, records_nothing
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
 from .hooks import apply_pending
@@ -491,7 +491,7 @@ class _DeadCheckpoints:
             _WATCHES[:] = [w for w in _WATCHES if w is not self]
             if not _WATCHES:
                 _module_mod._global_forward_pre_hooks.pop(_WATCH_KEY[0], None)
-                _CHECKPOINT.forward = _CHECKPOINT_FORWARD
+                around("dead", None)
 
     def seen(self, module: nn.Module) -> None:
         own = self.owners.get(id(module))
@@ -563,28 +563,18 @@ class _Uses(TorchFunctionMode):
         return out
 
 
-def _records_nothing(args) -> bool:
-    """A reentrant checkpoint given ``args`` records nothing: none of them requires grad."""
-    return not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-
-
 _NESTED = threading.local()  # depth of reentrant checkpoint forwards running in this thread
 
 
-_CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
-_CHECKPOINT_FORWARD = _CHECKPOINT.__dict__["forward"]  # the staticmethod, put back as it was
-
-
-def _checkpoint_forward(ctx, run_function, preserve_rng_state, *args):
+def _checkpoint_forward(forward, ctx, run_function, preserve_rng_state, *args):
     """``CheckpointFunction.forward`` while a watch is on: a checkpoint none of whose tensor
     inputs requires grad, in a thread with a watch, runs under :class:`_Uses`. A checkpoint
     inside another one's forward is judged by the outermost (its first run is discarded, and
     the outer one's recomputation runs it again with grad: a live outer one makes it live, a
     dead outer one is already watched)."""
-    forward = _CHECKPOINT_FORWARD.__func__
     depth = getattr(_NESTED, "depth", 0)
     watches = _mine() if not depth else []
-    dead = watches and _records_nothing(args)
+    dead = watches and records_nothing(args)
     _NESTED.depth = depth + 1
     try:
         if not dead:
@@ -615,7 +605,7 @@ def _watch_on() -> None:
         _WATCH_KEY.append(_module_mod.register_module_forward_pre_hook(_watch).id)
     else:
         _module_mod._global_forward_pre_hooks[_WATCH_KEY[0]] = _watch
-    _CHECKPOINT.forward = staticmethod(_checkpoint_forward)
+    around("dead", _checkpoint_forward)
 
 
 def _in_dead_checkpoint(frame) -> bool:
@@ -627,7 +617,7 @@ def _in_dead_checkpoint(frame) -> bool:
             ctx = frame.f_locals.get("ctx")
             if ctx is not None and is_reentrant_checkpoint(ctx):
                 args = frame.f_locals.get("args", ())
-                dead = _records_nothing(args)
+                dead = records_nothing(args)
         frame = frame.f_back
     return dead
 

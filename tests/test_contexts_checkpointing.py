@@ -1,0 +1,175 @@
+"""Flag contexts and reentrant activation checkpointing: a checkpoint's recomputation in
+backward runs with the flags of its forward, also when the context was left in between (a
+decorated training step whose loss is backpropagated after it returns)."""
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import torchstruct as ts
+from _flags import flags
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+FORWARD = torch.utils.checkpoint.CheckpointFunction.__dict__["forward"]
+
+
+class Net(nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 4)
+        self.mid = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.out = nn.Linear(4, 1)
+        self.mode = mode  # None: no checkpoint; True / False: use_reentrant
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = self.mid(h) if self.mode is None else checkpoint(self.mid, h, use_reentrant=self.mode)
+        return self.out(h)
+
+
+def X(seed=0):
+    return torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+
+
+def grads(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def same_grads(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] is None) == (b[k] is None), k
+        if a[k] is not None:
+            assert torch.equal(a[k], b[k]), k
+
+
+def backward_after(make_context, mode, before=None):
+    """Loss computed under a decorated context, backward after it returns: the gradients."""
+    m = Net(mode)
+    if before is not None:
+        before(m)
+
+    @make_context(m)
+    def step(x):
+        return m(x).pow(2).mean()
+
+    step(X()).backward()
+    return m, grads(m)
+
+
+CONTEXTS = {
+    "freeze": (lambda m: ts.freeze(m, "mid"), None),
+    "freeze_except": (lambda m: ts.freeze_except(m, "out"), None),
+    "unfreeze (mid frozen by hand)": (lambda m: ts.unfreeze(m, "mid"),
+                                      lambda m: m.mid.requires_grad_(False)),
+    "unfreeze (mid frozen by a bare freeze)": (lambda m: ts.unfreeze(m, "mid.0"),
+                                               lambda m: ts.freeze(m, "mid")),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTEXTS))
+def test_backward_after_the_block_gives_the_gradients_of_the_forward(name):
+    make, before = CONTEXTS[name]
+    plain, want = backward_after(make, None, before)
+    ckpt, got = backward_after(make, True, before)
+    same_grads(got, want)
+    assert flags(ckpt) == flags(plain)  # the recomputation's flags are put back
+
+
+def test_inside_the_block_nothing_changes():
+    for mode in (None, True):
+        m = Net(mode)
+        with ts.freeze(m, "mid"):
+            m(X()).pow(2).mean().backward()
+        if mode is None:
+            want = grads(m)
+        else:
+            same_grads(grads(m), want)
+    assert all(g is None for k, g in want.items() if k.startswith("mid"))
+
+
+def test_non_reentrant_checkpoint_is_left_to_torch():
+    """torch's own check refuses a recomputation that records other tensors."""
+    make, _ = CONTEXTS["freeze"]
+    with pytest.raises(Exception, match="(?i)recomput|checkpoint"):
+        backward_after(make, False)
+
+
+def test_several_steps_and_an_optimizer_match_the_plain_model():
+    models = {}
+    for mode in (None, True):
+        m = Net(mode)
+        opt = ts.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        @ts.freeze(m, "mid.0")
+        def step(x):
+            return m(x).pow(2).mean()
+
+        for i in range(3):
+            opt.zero_grad()
+            step(X(i)).backward()
+            opt.step()
+        models[mode] = m
+    for (n, a), b in zip(models[None].named_parameters(), models[True].parameters()):
+        assert torch.equal(a, b), n
+    assert torch.equal(models[True].mid[0].weight, Net(None).mid[0].weight)  # never moved
+
+
+def test_the_forward_is_torch_s_own_when_no_context_is_active():
+    m = Net(True)
+    with ts.freeze(m, "mid"):
+        assert torch.utils.checkpoint.CheckpointFunction.__dict__["forward"] is not FORWARD
+    assert torch.utils.checkpoint.CheckpointFunction.__dict__["forward"] is FORWARD
+    with pytest.raises(ValueError):
+        with ts.freeze(m, "nothing.here"):
+            pass
+    assert torch.utils.checkpoint.CheckpointFunction.__dict__["forward"] is FORWARD
+
+
+def test_a_checkpoint_that_records_nothing_keeps_its_function():
+    m = Net(True)
+    with ts.freeze(m, "inp"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: none of the inputs requires grad
+        out = m(X())
+    out.pow(2).mean().backward()
+    assert m.mid[0].weight.grad is None and m.out.weight.grad is not None
+
+
+def test_hf_gpt2_reentrant_checkpointing_with_a_decorated_freeze_except():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = {}
+    for ckpt in (False, True):
+        m = copy.deepcopy(base)
+        m.train()
+        m.config.use_cache = False
+        if ckpt:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                m.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": True})
+
+        @ts.freeze_except(m, "transformer.h.1.*", "transformer.ln_f.*")
+        def step():
+            return m(input_ids=ids, labels=ids).loss
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            step().backward()
+        out[ckpt] = grads(m)
+    assert any(g is not None for k, g in out[True].items() if ".h.1." in k)
+    assert all(g is None for k, g in out[True].items() if ".h.0." in k)
+    for k in out[False]:
+        assert (out[False][k] is None) == (out[True][k] is None), k
+        if out[False][k] is not None:
+            torch.testing.assert_close(out[True][k], out[False][k], rtol=1e-5, atol=1e-7)
