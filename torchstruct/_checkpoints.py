@@ -55,11 +55,16 @@ def around(key: str, fn) -> None:
     preserve_rng_state, *args)`` (which calls ``forward`` with the rest), or stop (``fn`` None).
     Several compose, in the order they were first given."""
     with _AROUND_LOCK:
-        if fn is None:
-            _AROUND.pop(key, None)
-        else:
-            _AROUND[key] = fn
-        _CHECKPOINT.forward = staticmethod(_forward) if _AROUND else _FORWARD
+        _set(key, fn)
+
+
+def _set(key: str, fn) -> None:
+    """``around`` under its lock."""
+    if fn is None:
+        _AROUND.pop(key, None)
+    else:
+        _AROUND[key] = fn
+    _CHECKPOINT.forward = staticmethod(_forward) if _AROUND else _FORWARD
 
 
 def _forward(ctx, run_function, preserve_rng_state, *args):
@@ -75,31 +80,63 @@ def records_nothing(args) -> bool:
 
 
 # ----------------------------------------------------------------------------- flags kept
+# Why the forward is wrapped for the flags: while a flag context is active, or while a
+# recomputation that set flags back runs in some thread (a checkpoint nested in its function
+# runs its forward there, with no context active any more).
+_WANTED = {"contexts": False, "recomputing": 0}
+_LOCAL = threading.local()  # .running: this thread's recomputations, innermost last (flags)
+
+
 def keep_flags(on: bool) -> None:
     """While a flag context is active (``on``), a reentrant checkpoint that records remembers
-    the flags the active contexts decide, and its recomputation in backward runs with them."""
-    around("flags", _remember_flags if on else None)
+    the flags the active contexts decide for its own model, and its recomputation in backward
+    runs with them."""
+    _want(contexts=on)
+
+
+def _want(contexts: bool | None = None, recomputing: int = 0) -> None:
+    with _AROUND_LOCK:
+        if contexts is not None:
+            _WANTED["contexts"] = contexts
+        _WANTED["recomputing"] += recomputing
+        on = _WANTED["contexts"] or _WANTED["recomputing"] > 0
+        _set("flags", _remember_flags if on else None)
 
 
 def _remember_flags(forward, ctx, run_function, preserve_rng_state, *args):
     out = forward(ctx, run_function, preserve_rng_state, *args)
     if not records_nothing(args):
-        flags = _decided_flags()
+        flags = _flags_for(run_function)
         if flags:
             ctx.run_function = functools.partial(_recompute, flags, ctx.run_function)
     return out
 
 
-def _decided_flags() -> tuple:
-    """``(parameter, flag now)`` of every parameter an active context decided about."""
+def _flags_for(run_function) -> tuple:
+    """``(parameter, flag now)`` of the parameters whose flags an active context decided, or
+    that an enclosing recomputation of this thread set back, restricted to the attached models
+    holding a module ``run_function`` is bound to (all of them when none is seen)."""
     from . import _state
 
-    seen = {}
+    params = {}
     for entry in list(_state.entries):
-        for p, _ in list(entry.decided.values()):
-            if isinstance(p, nn.Parameter):
-                seen[id(p)] = (p, p.requires_grad)
-    return tuple(seen.values())
+        if entry.scope() is not None:
+            for p, _ in list(entry.decided.values()):
+                if isinstance(p, nn.Parameter):
+                    params[id(p)] = p
+    running = getattr(_LOCAL, "running", None)
+    if running:
+        params.update((id(p), p) for p, _ in running[-1])
+    elif not params and not _state.entries:
+        with _state.LOCK:  # the last context's model is gone: torch's own forward again
+            if not _state.entries:
+                keep_flags(False)
+    if params:
+        mods = {id(m) for m in modules_behind(run_function)}
+        own = [st.members for st in _state.live_states() if not mods.isdisjoint(st.module_ids)]
+        if own:
+            params = {i: p for i, p in params.items() if any(i in m for m in own)}
+    return tuple((p, p.requires_grad) for p in params.values())
 
 
 def _recompute(flags: tuple, run_function, *args):
@@ -107,10 +144,14 @@ def _recompute(flags: tuple, run_function, *args):
     context entered around the forward and left before the backward (a decorated training
     step whose loss is backpropagated after it returns) would otherwise record gradients for
     parameters the forward had frozen, or none for those it trained. Flags that moved since
-    are set back for the recomputation only, and restored after it."""
+    are set back for the recomputation only, and restored after it; a checkpoint nested in
+    the function remembers them in turn."""
     moved = [(p, flag) for p, flag in flags if p.requires_grad is not flag]
     if not moved:
         return run_function(*args)
+    running = _LOCAL.__dict__.setdefault("running", [])
+    running.append(flags)
+    _want(recomputing=1)
     for p, flag in moved:
         p.requires_grad_(flag)
     try:
@@ -118,3 +159,5 @@ def _recompute(flags: tuple, run_function, *args):
     finally:
         for p, flag in moved:
             p.requires_grad_(not flag)
+        running.pop()
+        _want(recomputing=-1)
