@@ -909,12 +909,8 @@ STRICT_NONE = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "strict=None (not a bool) is read as strict=False: a typo'd selector then silently selects "
-    "nothing (freeze_except/UnfreezeSchedule freeze everything); expected TypeError naming "
-    "strict, as attach() does for freeze_norm_stats=1"))
 @pytest.mark.parametrize("where", sorted(STRICT_NONE))
-def test_xfail_strict_none_is_not_a_bool(where):
+def test_strict_none_is_refused_as_not_a_bool(where):
     m = fresh()
     before = snap(m)
     with pytest.raises(TypeError, match="strict"):
@@ -922,12 +918,8 @@ def test_xfail_strict_none_is_not_a_bool(where):
     assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "freeze(m, 'bn', freeze_norm_stats='no') is accepted and read as True (running statistics "
-    "held: the opposite of what was written); attach() refuses the same value with a TypeError "
-    "naming freeze_norm_stats; expected the same refusal, nothing applied"))
 @pytest.mark.parametrize("kind", ["freeze", "freeze_except", "unfreeze", "UnfreezeSchedule"])
-def test_xfail_contexts_take_a_string_freeze_norm_stats(kind):
+def test_contexts_refuse_a_string_freeze_norm_stats(kind):
     m = fresh()
     before = snap(m)
     make = {"freeze": lambda: ts.freeze(m, "bn", freeze_norm_stats="no"),
@@ -979,12 +971,8 @@ def test_xfail_global_norm_bad_norm_type_message(norm_type):
         ts.global_norm(m, norm_type)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "is_norm answers False for what is not a module: the class nn.LayerNorm itself, None, a "
-    "string; every other function taking a module raises TypeError; expected TypeError (or "
-    "True for a norm class)"))
 @pytest.mark.parametrize("arg", [nn.LayerNorm, None, "LayerNorm"], ids=repr)
-def test_xfail_is_norm_of_a_non_module(arg):
+def test_is_norm_of_a_non_module_is_refused(arg):
     with pytest.raises(TypeError, match="is_norm"):
         ts.is_norm(arg)
 
@@ -1463,18 +1451,20 @@ def test_polyak_mixed_dtypes_inside_constant_is_refused_before_any_write():
         assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a callable selector that returns a tensor (lambda path, p: p.abs() > 0, a common slip) "
-    "fails with torch's 'Boolean value of Tensor with more than one value is ambiguous', "
-    "naming neither the selector nor the path it was asked about (select._predicate wraps it "
-    "in bool(...)); nothing changes, but the message should say the selector returned a "
-    "Tensor for 'enc.weight'"))
-def test_xfail_selector_returning_a_tensor_message():
+def test_selector_returning_a_tensor_is_refused_naming_the_path():
     m = fresh()
     before = snap(m)
     with pytest.raises((TypeError, ValueError, RuntimeError), match=r"selector.*'enc\.weight'"):
         ts.freeze(m, lambda path, p: p.abs() > 0)
     assert_unchanged(before, m)
+
+
+def test_selector_returning_a_0dim_tensor_is_a_truth_value():
+    """``(p != 0).all()`` is one answer per parameter: taken as its truth value."""
+    m = fresh()
+    got = [path for path, _ in ts.select(m, lambda path, p: (p != 0).all())]
+    assert got == [n for n, p in m.named_parameters() if bool((p != 0).all())]
+    assert "bn.bias" not in got and "enc.weight" in got
 
 
 class Tied(nn.Module):

@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import _compile_caveats, _custom_functions, _state
+from ._checks import check_bool, refuse_lazy
 from ._ops import run_eagerly
 from ._reference import _place
 from .contexts import _Context
@@ -378,6 +379,7 @@ class stop_gradient(_SubstituteBlock):
     def _table(self):
         model, *selectors = self._args
         _check_model("stop_gradient", model)
+        check_bool(self._kwargs["strict"], "strict", "stop_gradient")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
         return {id(p): (p, _detach) for _, p in chosen}
 
@@ -711,6 +713,7 @@ class constant(_Context):
     def _apply(self) -> None:
         model, *selectors = self._args
         _check_model("constant", model)
+        check_bool(self._kwargs["strict"], "strict", "constant")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
         protected = [(path, p) for path, p in chosen if p.numel() or p.layout != torch.strided]
         mode, rebind = _Guard(protected), _RefuseRebind(chosen)

@@ -23,6 +23,7 @@ from typing import Callable, ClassVar
 from torch import nn
 
 from . import _state, hooks
+from ._checks import check_bool
 from .select import ParamIndex, index, select
 
 __all__ = ["freeze", "freeze_except", "unfreeze", "RestoredFlagsWarning"]
@@ -487,14 +488,16 @@ class _FlagContext(_Context):
     def _make_entry(self) -> Entry:
         """Validate the arguments (raises before any change) and build the stack entry."""
         model, *selectors = self._args
+        who = type(self).__name__
         if not isinstance(model, nn.Module):
             raise TypeError(
-                f"{type(self).__name__}: first argument must be an nn.Module, got "
-                f"{type(model).__name__}"
+                f"{who}: first argument must be an nn.Module, got {type(model).__name__}"
             )
+        check_bool(self._kwargs["strict"], "strict", who)
+        check_bool(self._kwargs["freeze_norm_stats"], "freeze_norm_stats", who)
         if not selectors:
             if self.needs_selector:
-                raise TypeError(f"{type(self).__name__} needs at least one selector")
+                raise TypeError(f"{who} needs at least one selector")
             selectors = []  # the whole of ``model`` (an empty tuple means that to Entry)
         self._entry = Entry(self.kind, None, tuple(selectors), self._kwargs["freeze_norm_stats"])
         self._entry.scope = _scope_of(self._entry, model)  # a permanent context ends with it

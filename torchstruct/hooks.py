@@ -31,6 +31,7 @@ from torch.nn.modules import module as _module_mod
 from torch.nn.modules.batchnorm import _NormBase
 
 from . import _compile_caveats, _state
+from ._checks import check_bool
 from .declare import effective
 
 __all__ = ["attach", "detach_hooks"]
@@ -686,11 +687,7 @@ def attach(model: nn.Module, *, freeze_norm_stats: bool | None = None) -> nn.Mod
         TypeError: ``model`` is not an ``nn.Module``, or ``freeze_norm_stats`` is neither
             None nor a bool (nothing changes).
     """
-    if freeze_norm_stats is not None and not isinstance(freeze_norm_stats, bool):
-        raise TypeError(
-            f"attach: freeze_norm_stats must be True, False or None, got "
-            f"{type(freeze_norm_stats).__name__} {freeze_norm_stats!r}"
-        )
+    check_bool(freeze_norm_stats, "freeze_norm_stats", "attach", none=True)
     with _state.LOCK, attached_or_as_before(model):
         st = state_for(model)
         st.install()
