@@ -124,14 +124,18 @@ def _accumulate_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------- clipping
 
 
-def validate_max_norm(max_norm) -> float:
-    """Return ``max_norm`` as a float; ``ValueError`` unless it is >= 0 (inf allowed)."""
+def validate_max_norm(max_norm, name: str = "max_norm") -> float:
+    """Return ``max_norm`` as a float; ``ValueError`` naming ``name`` unless it is a number
+    >= 0 (inf allowed; a one-element tensor counts, as torch takes it). A string is refused,
+    although ``float()`` would read it: a threshold written as text is a slip, not a number."""
+    if isinstance(max_norm, (str, bytes, bytearray)):
+        raise ValueError(f"{name} must be a number >= 0, got the string {max_norm!r}")
     try:
         value = float(max_norm)
     except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}") from None
+        raise ValueError(f"{name} must be a number >= 0, got {max_norm!r}") from None
     if math.isnan(value) or value < 0.0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+        raise ValueError(f"{name} must be >= 0, got {max_norm!r}")
     return value
 
 
