@@ -932,17 +932,22 @@ def test_contexts_refuse_a_string_freeze_norm_stats(kind):
     assert_unchanged(before, m)
 
 
-def test_clip_refuses_a_string_max_norm():
-    # torch's clip_grad_norm_ reads max_norm with float() (torch 2.13 clips with "0.1"); the
-    # contract asks for a number, so torchstruct refuses the string (a deliberate difference)
-    m = with_grads(fresh())
-    before = snap(m)
-    for value in ("0.1", b"0.1"):
+def test_clip_reads_a_string_max_norm_as_torch_does():
+    """torch's clip_grad_norm_ reads max_norm with float(): "0.1" clips as 0.1 there, so the
+    drop-in does the same (the model and the list fast path alike); a string float() cannot
+    read is refused naming max_norm, gradients untouched."""
+    ref = with_grads(fresh())
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), "0.1")
+    for as_list in (False, True):
+        m = with_grads(fresh())
+        got = ts.clip_by_global_norm(list(m.parameters()) if as_list else m, "0.1")
+        assert torch.allclose(got, want, rtol=1e-6)
+        for a, b in zip(m.parameters(), ref.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+        before = snap(m)
         with pytest.raises(ValueError, match="max_norm"):
-            ts.clip_by_global_norm(m, value)
-        with pytest.raises(ValueError, match="max_norm"):
-            ts.clip_by_global_norm(list(m.parameters()), value)  # the compiled fast path too
-    assert_unchanged(before, m)
+            ts.clip_by_global_norm(list(m.parameters()) if as_list else m, "abc")
+        assert_unchanged(before, m)
 
 
 def test_optimizer_refuses_a_string_max_grad_norm():
@@ -1186,8 +1191,12 @@ _NUMBERS = st.one_of(
 
 
 def _valid_max_norm(v):
-    return (isinstance(v, (int, float)) and not isinstance(v, str)
-            and not math.isnan(float(v)) and float(v) >= 0)
+    """torch reads ``float(max_norm)`` (so "1", "inf" and True pass): >= 0, not NaN."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return False
+    return not math.isnan(x) and x >= 0
 
 
 def _valid_norm_type(v):
@@ -1203,7 +1212,7 @@ def _valid_norm_type(v):
 @given(max_norm=_NUMBERS, norm_type=_NUMBERS)
 def test_property_clip_against_torch(max_norm, norm_type):
     """Where torch's clip_grad_norm_ refuses, torchstruct refuses; a value the contract calls
-    invalid (negative, NaN or string max_norm, norm_type <= 0 or NaN) is refused with gradients
+    invalid (negative or NaN max_norm, norm_type <= 0 or NaN) is refused with gradients
     untouched (torch takes some of these and writes nonsense); otherwise the same norm and
     the same gradients."""
     m, r = with_grads(fresh()), with_grads(fresh())

@@ -124,11 +124,12 @@ def _accumulate_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------- clipping
 
 
-def validate_max_norm(max_norm, name: str = "max_norm") -> float:
-    """Return ``max_norm`` as a float; ``ValueError`` naming ``name`` unless it is a number
-    >= 0 (inf allowed; a one-element tensor counts, as torch takes it). A string is refused,
-    although ``float()`` would read it: a threshold written as text is a slip, not a number."""
-    if isinstance(max_norm, (str, bytes, bytearray)):
+def validate_max_norm(max_norm, name: str = "max_norm", text: bool = True) -> float:
+    """Return ``max_norm`` as a float; ``ValueError`` naming ``name`` unless it is >= 0 (inf
+    allowed). Read with ``float()`` as ``clip_grad_norm_`` reads it (a one-element tensor, a
+    bool, and with ``text`` a numeric string such as ``"1.0"``); ``text=False`` refuses
+    strings, as torch's optimizers refuse a hyper-parameter given as text."""
+    if not text and isinstance(max_norm, (str, bytes, bytearray)):
         raise ValueError(f"{name} must be a number >= 0, got the string {max_norm!r}")
     try:
         value = float(max_norm)

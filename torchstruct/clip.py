@@ -136,9 +136,9 @@ def clip_by_global_norm(
             a tree (nested ``dict``, or flat path-keyed ``dict``) of gradient tensors, e.g. from
             ``ts.structural_grad``: its
             leaves themselves, a tensor held at several paths once (``None`` leaves skipped).
-        max_norm: the largest allowed total norm: a number ``>= 0`` (``ValueError``
-            otherwise; a string such as ``"1.0"`` too, which ``clip_grad_norm_`` would read
-            with ``float()``).
+        max_norm: the largest allowed total norm, ``>= 0`` (``ValueError`` otherwise), read
+            with ``float()`` as ``clip_grad_norm_`` reads it (a one-element tensor or a
+            numeric string such as ``"1.0"`` is taken; ``"abc"`` or ``None`` is not).
         norm_type: 1, 2, ``inf`` or any p > 0.
         error_if_nonfinite: raise ``RuntimeError`` (gradients left unchanged) when the total
             norm is NaN or inf. This reads the norm on the host (a device sync on CUDA); without
@@ -151,8 +151,8 @@ def clip_by_global_norm(
         accumulated in fp32 all the same). ``tensor(0.)`` when there is no gradient.
 
     Raises:
-        ValueError: ``max_norm`` not a number (a string included), negative or NaN; bad
-            ``norm_type``.
+        ValueError: ``max_norm`` not a number, negative or NaN; bad ``norm_type`` (both
+            checked before any gradient is read).
         TypeError: a non-tensor entry, a sparse gradient, an unsupported dtype.
         RuntimeError: non-finite norm with ``error_if_nonfinite``; a device the compiled
             extension was not built for. Nothing is modified when anything is raised.

@@ -63,8 +63,11 @@ def _number(value, what: str) -> float:
 
 def _max_grad_norm(value, name: str) -> Optional[float]:
     """``max_grad_norm`` checked as ``clip_by_global_norm`` checks ``max_norm``: None, or a
-    number >= 0 (``ValueError`` otherwise, a string included)."""
-    return None if value is None else validate_max_norm(value, f"{name}: max_grad_norm")
+    number >= 0 (``ValueError`` otherwise; a string too, as for any hyper-parameter of a
+    torch optimizer)."""
+    if value is None:
+        return None
+    return validate_max_norm(value, f"{name}: max_grad_norm", text=False)
 
 
 def _lr_scale(group: dict, where: str) -> float:
