@@ -355,7 +355,8 @@ class stop_gradient(_SubstituteBlock):
         The context (use with ``with``, as a decorator, or call it bare to apply from now on).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module`` or a selector has an unsupported type.
+        TypeError: ``model`` is not an ``nn.Module``, a selector has an unsupported type, or
+            ``strict`` is not a bool.
         ValueError: a selector matching nothing (naming the closest paths).
 
     Example:
@@ -408,8 +409,8 @@ class swap(_SubstituteBlock):
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or a leaf is not a tensor.
         ValueError: a path that is not a parameter of ``model`` (naming the closest paths), a
-            non-canonical path of a tied parameter, or a shape/dtype/layout/device mismatch, naming
-            the path. Nothing is changed.
+            non-canonical path of a tied parameter, a shape/dtype/layout/device mismatch, or an
+            uninitialized lazy parameter, naming the path. Nothing is changed.
 
     Example:
         >>> import torch, torch.nn as nn, torchstruct as ts
@@ -449,6 +450,7 @@ class swap(_SubstituteBlock):
                     f"swap: {path!r} is not a parameter of the model; closest paths: "
                     f"{_closest(path, list(canonical))}"
                 )
+            refuse_lazy("swap", [(path, p)])
             for what in ("shape", "dtype", "layout", "device"):
                 want, got = getattr(p, what), getattr(t, what)
                 if want != got:
@@ -689,7 +691,8 @@ class constant(_Context):
         The context (use with ``with``, as a decorator, or call it bare to apply from now on).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module`` or a selector has an unsupported type.
+        TypeError: ``model`` is not an ``nn.Module``, a selector has an unsupported type, or
+            ``strict`` is not a bool.
         ValueError: a selector matching nothing (naming the closest paths).
         RuntimeError: (inside the block) an operation that would write a selected parameter.
 

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ._checks import refuse_lazy
 from .blocks import refuse_constant_writes
 from .declare import trainable_parameters
 from .select import _closest
@@ -89,12 +90,7 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
     if not isinstance(model, nn.Module):
         raise TypeError(f"state_dict: expected an nn.Module, got {type(model).__name__}")
     params = list(trainable_parameters(model))
-    lazy = [path for path, p in params if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise ValueError(
-            f"state_dict: {lazy[0]!r} is an uninitialized (lazy) parameter, which has no values "
-            "to save or load yet; run a forward pass first"
-        )
+    refuse_lazy("state_dict", params)  # no values to save or load yet
     out = {path: p.detach() for path, p in params}
     if buffers:
         trained = {id(p) for _, p in params}
