@@ -1007,14 +1007,8 @@ def test_polyak_wrong_leaf_at_a_frozen_path_is_refused():
     assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structural_grad(m, loss_fn, create_graph=None) (or retain_graph='no') first runs the "
-    "user's forward (BatchNorm running statistics move) and then fails inside "
-    "torch.autograd.grad with \"'NoneType' object cannot be interpreted as an integer\", "
-    "naming neither argument; expected the flags checked before the forward, a TypeError "
-    "naming create_graph, buffers unchanged"))
 @pytest.mark.parametrize("kw", [dict(create_graph=None), dict(retain_graph="no")], ids=str)
-def test_xfail_structural_grad_bad_flag_runs_the_forward_first(kw):
+def test_structural_grad_bad_flag_is_refused_before_the_forward(kw):
     m = fresh()
     before = snap(m)
     with pytest.raises(TypeError, match=next(iter(kw))):
@@ -1061,11 +1055,7 @@ def test_unfreeze_int_parameter_attaches_first():
     assert _same(before, _internal(m))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structural_grad(m, loss, wrt='1.idx') on an int64 parameter fails inside torch with "
-    "'only Tensors of floating point dtype can require gradients', not naming the path; "
-    "expected ValueError naming '1.idx' as unfreeze does"))
-def test_xfail_structural_grad_wrt_int_parameter():
+def test_structural_grad_wrt_int_parameter_is_refused_by_path():
     m = _with_int_parameter()
     before = snap(m)
     with pytest.raises(ValueError, match=r"1\.idx"):

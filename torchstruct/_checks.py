@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["check_bool", "check_callable", "refuse_lazy"]
+__all__ = ["check_bool", "check_callable", "refuse_lazy", "refuse_no_grad_dtype"]
 
 
 def check_bool(value, name: str, who: str, *, none: bool = False):
@@ -41,3 +41,12 @@ def refuse_lazy(who: str, pairs: Iterable[tuple[str, nn.Parameter]]) -> None:
                 "module before its first forward): its shape and values are not known yet; "
                 "run one forward first"
             )
+
+
+def refuse_no_grad_dtype(path: str, p, consequence: str) -> None:
+    """``ValueError`` naming ``path`` when ``p``'s dtype cannot require grad (integers, bool):
+    only floating-point and complex tensors can; ``consequence`` says what cannot be done."""
+    if not (p.is_floating_point() or p.is_complex()):
+        raise ValueError(
+            f"parameter {path!r} has dtype {p.dtype}, which cannot require grad; {consequence}"
+        )

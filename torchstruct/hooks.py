@@ -31,7 +31,7 @@ from torch.nn.modules import module as _module_mod
 from torch.nn.modules.batchnorm import _NormBase
 
 from . import _compile_caveats, _state
-from ._checks import check_bool
+from ._checks import check_bool, refuse_no_grad_dtype
 from .declare import effective
 
 __all__ = ["attach", "detach_hooks"]
@@ -152,12 +152,9 @@ class State:
             new = [(path, p, flags[id(p)]) for path, p in idx]
             changes = [c for c in new if c[1].requires_grad is not c[2]]
             for path, p, flag in changes:
-                if flag and not (p.is_floating_point() or p.is_complex()):
-                    raise ValueError(
-                        f"parameter {path!r} has dtype {p.dtype}, which cannot require grad; "
-                        "it cannot be made trainable (select floating-point parameters only). "
-                        "No flag was changed."
-                    )
+                if flag:
+                    refuse_no_grad_dtype(path, p, "it cannot be made trainable (select "
+                                         "floating-point parameters only). No flag was changed.")
             for guard in _state.flag_guards if changes else ():
                 guard(changes, refuse)
             members = {}
