@@ -897,7 +897,7 @@ def test_trainable_raising_on_an_attached_model_changes_no_flag(call):
     assert _same(before["internal"], after["internal"])
 
 
-# ----------------------------------------------------------------------------- found: xfail
+# ----------------------------------------------------------------------------- found, now refused
 STRICT_NONE = {
     "select": lambda m: ts.select(m, "hed", strict=None),
     "freeze": lambda m: ts.freeze(m, "hed", strict=None),
@@ -1067,23 +1067,33 @@ def _lazy():
     return nn.Sequential(nn.LazyLinear(2), nn.Linear(2, 2))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "freeze(m, '0') on an uninitialized LazyLinear fails with torch's 'Attempted to use an "
-    "uninitialized parameter in requires_grad_' (naming no path) and leaves the model "
-    "attached; torch itself allows `p.requires_grad = False` on an UninitializedParameter, "
-    "so freezing a lazy module before its first forward could work; expected it to work, "
-    "or a ValueError naming '0.weight' with nothing changed (summary/state_dict name it)"))
-def test_xfail_freeze_a_lazy_module():
+def test_freeze_a_lazy_module_holds_after_its_first_forward():
+    """torch allows ``p.requires_grad = False`` on an UninitializedParameter, and the first
+    forward materializes it in place (the same object): freezing a lazy module before its
+    first forward works, the flag holds after it, and reads agree before and after."""
     m = _lazy()
-    before = _internal(m)
-    try:
-        ts.freeze(m, "0")
-    except ValueError as e:
-        assert "0.weight" in str(e)
-        assert _same(before, _internal(m))
-    else:
+    ts.freeze(m, "0")
+    assert [n for n, _ in ts.trainable_parameters(m)] == ["1.weight", "1.bias"]
+    assert not ts.is_trainable(m, "0.weight")
+    m(torch.ones(1, 3)).sum().backward()
+    assert not nn.parameter.is_lazy(m[0].weight)
+    assert [p.requires_grad for p in m.parameters()] == [False, False, True, True]
+    assert [p.grad is None for p in m.parameters()] == [True, True, False, False]
+    assert [n for n, _ in ts.trainable_parameters(m)] == ["1.weight", "1.bias"]
+    # a block: frozen inside, also across the materializing forward; restored on exit
+    m = _lazy()
+    with ts.freeze_except(m, "1"):
         m(torch.ones(1, 3))
         assert [p.requires_grad for p in m.parameters()] == [False, False, True, True]
+    assert [p.requires_grad for p in m.parameters()] == [True, True, True, True]
+    assert [n for n, _ in ts.trainable_parameters(m)] == ["0.weight", "0.bias", "1.weight",
+                                                          "1.bias"]
+    # lifted before the first forward: as if never frozen
+    m = _lazy()
+    with ts.freeze(m, "0"):
+        pass
+    m(torch.ones(1, 3))
+    assert [p.requires_grad for p in m.parameters()] == [True, True, True, True]
 
 
 def test_lazy_parameters_elsewhere_are_named_or_skipped():

@@ -160,7 +160,7 @@ class State:
             members = {}
             for path, p, flag in new:
                 if p.requires_grad is not flag:
-                    p.requires_grad_(flag)
+                    write_flag(p, flag)
                 members[id(p)] = _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
             if changes:
                 _compile_caveats.warn_once()
@@ -291,6 +291,16 @@ class State:
                                             _stats_version(mod))
 
 
+def write_flag(p: nn.Parameter, flag: bool) -> None:
+    """``p.requires_grad_(flag)``; for an uninitialized lazy parameter (an ``nn.Lazy*`` module
+    before its first forward), which refuses every method, the attribute itself: the flag is
+    the object's own and stays with it when the first forward materializes it in place."""
+    if nn.parameter.is_lazy(p):
+        p.requires_grad = flag
+    else:
+        p.requires_grad_(flag)
+
+
 def _opted_out(root: nn.Module | None) -> set[int]:
     """Ids of the modules of ``root``'s tree given ``freeze_norm_stats=False``: by ``attach`` on
     themselves or, failing that, on their nearest ancestor that was given an option.
@@ -334,7 +344,7 @@ def _release(members: dict, keep: set[int], in_callback: bool = False) -> set[in
         rec = _state.record(p)
         if rec is not None and p.requires_grad is rec[1] and rec[0] is not rec[1]:
             if not in_callback:
-                p.requires_grad_(rec[0])
+                write_flag(p, rec[0])
             else:
                 try:
                     p.requires_grad = rec[0]
