@@ -513,6 +513,20 @@ class _FlagContext(_Context):
 class freeze(_FlagContext):
     """Turn the selected parameters off (all of ``model`` when no selector is given).
 
+    Arguments (the same for :class:`freeze_except` and :class:`unfreeze`):
+        model: the module whose parameters are selected.
+        *selectors: see :func:`~torchstruct.select`.
+        strict: when True (default), a selector that matches nothing raises.
+        freeze_norm_stats: whether normalization layers whose parameters are all frozen stop
+            updating their running statistics (default True).
+
+    Raises (all before anything changes):
+        TypeError: ``model`` is not a module, a selector has an unsupported type, or
+            ``strict`` / ``freeze_norm_stats`` is not a bool (``None`` or ``"no"`` are not
+            read by truthiness).
+        ValueError: a selector matching nothing (closest paths named), a module or parameter
+            that is not part of ``model``, an empty list of selectors.
+
     Example:
         >>> import torch.nn as nn, torchstruct as ts
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
@@ -529,6 +543,8 @@ class freeze(_FlagContext):
 class freeze_except(_FlagContext):
     """Turn every parameter of ``model`` off except the selected (which stay as they are).
 
+    Arguments and errors as :class:`freeze`.
+
     Example:
         >>> import torch.nn as nn, torchstruct as ts
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
@@ -543,6 +559,9 @@ class freeze_except(_FlagContext):
 
 class unfreeze(_FlagContext):
     """Turn the selected parameters on (all of ``model`` when no selector is given).
+
+    Arguments and errors as :class:`freeze`; also ``ValueError`` naming a selected parameter
+    whose dtype cannot require grad (an integer one), nothing changed.
 
     A declaration (``trainable()`` / :func:`~torchstruct.mark_trainable`) still wins: unfreeze
     lifts contexts and starting flags, not declarations.
