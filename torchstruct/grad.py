@@ -212,8 +212,9 @@ def structural_grad(
         ValueError: the loss is not a scalar or does not require grad; an asked parameter does
             not require grad when ``loss`` is a tensor (it has no graph; the message names its
             path); a ``wrt`` parameter whose dtype cannot require grad (an integer one; its
-            path named, before anything runs); a ``wrt`` selector matching nothing (closest paths named) or selecting no
-            parameter (a module without parameters, a callable False everywhere); the loss reaches
+            path named, before anything runs); a ``wrt`` selector matching nothing (closest
+            paths named) or selecting no parameter (a module without parameters, a callable
+            False everywhere); the loss reaches
             none of the asked parameters (paths named); an asked parameter is used inside a
             reentrant checkpoint none of whose inputs requires grad; under DDP, a tensor loss
             outside ``ddp.no_sync()``, or ``create_graph=True``.

@@ -34,8 +34,9 @@ Conventions shared by every function here:
   parameter once, at its first path.
 
 This module knows nothing of trainability; it imports only torch, the
-standard library and the shared argument checks (:mod:`torchstruct._checks`). ``map`` and ``reduce`` shadow builtins inside it: the
-builtins are reached through :mod:`builtins` where needed.
+standard library and the shared argument checks (:mod:`torchstruct._checks`).
+``map`` and ``reduce`` shadow builtins inside it: the builtins are reached
+through :mod:`builtins` where needed.
 """
 
 from __future__ import annotations

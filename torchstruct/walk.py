@@ -14,11 +14,11 @@ a ``state_dict``, see :mod:`torchstruct.tree`):
 - Leaves at other parameter paths of the model (frozen parameters, the later paths of a tied
   parameter) are not used: a tree covering the whole model is fine. Every leaf at a parameter
   path, used or not, must have that parameter's shape (``ValueError`` naming the path: nothing
-  is broadcast). A leaf at a path that names
-  no parameter of the model raises ``ValueError`` naming it (the tree does not match the model),
-  and so do two different tensors at two paths of a tied parameter (the tie would silently lose
-  one): the same tensor, or views of the same memory (what ``state_dict`` holds for a tied
-  parameter), are one. A source *module* for :func:`polyak_update` follows the same tie rule.
+  is broadcast). A leaf at a path that names no parameter of the model raises ``ValueError``
+  naming it (the tree does not match the model), and so do two different tensors at two paths
+  of a tied parameter (the tie would silently lose one): the same tensor, or views of the same
+  memory (what ``state_dict`` holds for a tied parameter), are one. A source *module* for
+  :func:`polyak_update` follows the same tie rule.
 - An uninitialized lazy parameter (an ``nn.Lazy*`` module before its first forward) where a
   function needs its shape raises ``ValueError`` naming its path.
 """
