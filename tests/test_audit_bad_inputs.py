@@ -906,6 +906,8 @@ STRICT_NONE = {
     "stop_gradient": lambda m: ts.stop_gradient(m, "hed", strict=None),
     "UnfreezeSchedule": lambda m: ts.UnfreezeSchedule(m, {0: "hed"}, strict=None),
     "param_groups": lambda m: ts.param_groups(m, ("hed", {"lr": 1.0}), strict=None),
+    "constant": lambda m: ts.constant(m, "hed", strict=None),
+    "load_state_dict": lambda m: ts.load_state_dict(m, {}, strict=None),
 }
 
 
@@ -984,6 +986,14 @@ def test_function_argument_not_callable_is_refused_naming_f(where):
 def test_from_flat_dict_none_is_refused_naming_what_is_expected():
     with pytest.raises(TypeError, match="flat|mapping|dict"):
         ts.tree.from_flat_dict(None)
+
+
+@pytest.mark.parametrize("flat", ["a.b", torch.zeros(2), 7, [torch.zeros(2)], [("a",)]],
+                         ids=["str", "tensor", "int", "list-of-tensors", "one-tuple"])
+def test_from_flat_dict_other_non_pairs_are_refused(flat):
+    with pytest.raises(TypeError, match="from_flat_dict.*(mapping|pair)"):
+        ts.tree.from_flat_dict(flat)
+    assert ts.tree.paths(ts.tree.from_flat_dict([["a.b", torch.zeros(1)]])) == ["a.b"]
 
 
 @pytest.mark.parametrize("shape", [(1,), (3, 1, 1)])
