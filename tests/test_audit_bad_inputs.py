@@ -897,7 +897,7 @@ def test_trainable_raising_on_an_attached_model_changes_no_flag(call):
     assert _same(before["internal"], after["internal"])
 
 
-# ----------------------------------------------------------------------------- found: xfail
+# ----------------------------------------------------------------------------- found, now refused
 STRICT_NONE = {
     "select": lambda m: ts.select(m, "hed", strict=None),
     "freeze": lambda m: ts.freeze(m, "hed", strict=None),
@@ -906,15 +906,13 @@ STRICT_NONE = {
     "stop_gradient": lambda m: ts.stop_gradient(m, "hed", strict=None),
     "UnfreezeSchedule": lambda m: ts.UnfreezeSchedule(m, {0: "hed"}, strict=None),
     "param_groups": lambda m: ts.param_groups(m, ("hed", {"lr": 1.0}), strict=None),
+    "constant": lambda m: ts.constant(m, "hed", strict=None),
+    "load_state_dict": lambda m: ts.load_state_dict(m, {}, strict=None),
 }
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "strict=None (not a bool) is read as strict=False: a typo'd selector then silently selects "
-    "nothing (freeze_except/UnfreezeSchedule freeze everything); expected TypeError naming "
-    "strict, as attach() does for freeze_norm_stats=1"))
 @pytest.mark.parametrize("where", sorted(STRICT_NONE))
-def test_xfail_strict_none_is_not_a_bool(where):
+def test_strict_none_is_refused_as_not_a_bool(where):
     m = fresh()
     before = snap(m)
     with pytest.raises(TypeError, match="strict"):
@@ -922,12 +920,8 @@ def test_xfail_strict_none_is_not_a_bool(where):
     assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "freeze(m, 'bn', freeze_norm_stats='no') is accepted and read as True (running statistics "
-    "held: the opposite of what was written); attach() refuses the same value with a TypeError "
-    "naming freeze_norm_stats; expected the same refusal, nothing applied"))
 @pytest.mark.parametrize("kind", ["freeze", "freeze_except", "unfreeze", "UnfreezeSchedule"])
-def test_xfail_contexts_take_a_string_freeze_norm_stats(kind):
+def test_contexts_refuse_a_string_freeze_norm_stats(kind):
     m = fresh()
     before = snap(m)
     make = {"freeze": lambda: ts.freeze(m, "bn", freeze_norm_stats="no"),
@@ -940,38 +934,32 @@ def test_xfail_contexts_take_a_string_freeze_norm_stats(kind):
     assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "clip_by_global_norm(params, '1') converts the string with float() and clips; "
-    "torch.nn.utils.clip_grad_norm_ raises TypeError for it, and the docstring promises "
-    "ValueError unless max_norm is a number; expected a refusal, gradients untouched"))
-def test_xfail_clip_takes_a_string_max_norm():
-    m = with_grads(fresh())
+def test_clip_reads_a_string_max_norm_as_torch_does():
+    """torch's clip_grad_norm_ reads max_norm with float(): "0.1" clips as 0.1 there, so the
+    drop-in does the same (the model and the list fast path alike); a string float() cannot
+    read is refused naming max_norm, gradients untouched."""
     ref = with_grads(fresh())
-    with pytest.raises(TypeError):
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), "0.1")
-    before = snap(m)
-    with pytest.raises((TypeError, ValueError), match="max_norm"):
-        ts.clip_by_global_norm(m, "0.1")
-    assert_unchanged(before, m)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), "0.1")
+    for as_list in (False, True):
+        m = with_grads(fresh())
+        got = ts.clip_by_global_norm(list(m.parameters()) if as_list else m, "0.1")
+        assert torch.allclose(got, want, rtol=1e-6)
+        for a, b in zip(m.parameters(), ref.parameters()):
+            assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+        before = snap(m)
+        with pytest.raises(ValueError, match="max_norm"):
+            ts.clip_by_global_norm(list(m.parameters()) if as_list else m, "abc")
+        assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "AdamW(max_grad_norm='1') converts the string and builds a clipping optimizer; torch-style "
-    "hyper-parameters given as strings are refused elsewhere (param_groups: 'lr_scale must be "
-    "a number'); expected TypeError/ValueError naming max_grad_norm"))
-def test_xfail_optimizer_takes_a_string_max_grad_norm():
+def test_optimizer_refuses_a_string_max_grad_norm():
     m = fresh()
     with pytest.raises((TypeError, ValueError), match="max_grad_norm"):
         ts.optim.AdamW(m.parameters(), max_grad_norm="1")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "global_norm(x, norm_type=None) / 'fro' fail inside float() with \"float() argument must "
-    "be a string or a real number\" / \"could not convert string to float\", naming neither "
-    "norm_type nor global_norm (clip_by_global_norm names norm_type for the same values): "
-    "clip.global_norm calls float(norm_type) before _reference.validate_norm_type"))
 @pytest.mark.parametrize("norm_type", [None, "fro", [2.0]], ids=repr)
-def test_xfail_global_norm_bad_norm_type_message(norm_type):
+def test_global_norm_bad_norm_type_named_as_by_clip(norm_type):
     m = with_grads(fresh())
     with pytest.raises(ValueError, match="norm_type"):
         ts.clip_by_global_norm(m, 1.0, norm_type)  # the sibling names it
@@ -979,23 +967,14 @@ def test_xfail_global_norm_bad_norm_type_message(norm_type):
         ts.global_norm(m, norm_type)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "is_norm answers False for what is not a module: the class nn.LayerNorm itself, None, a "
-    "string; every other function taking a module raises TypeError; expected TypeError (or "
-    "True for a norm class)"))
 @pytest.mark.parametrize("arg", [nn.LayerNorm, None, "LayerNorm"], ids=repr)
-def test_xfail_is_norm_of_a_non_module(arg):
+def test_is_norm_of_a_non_module_is_refused(arg):
     with pytest.raises(TypeError, match="is_norm"):
         ts.is_norm(arg)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a function argument that is not callable (map_trainable(None, m), ts.tree.map(None, t), "
-    "ts.tree.reduce(None, t, 0)) fails with Python's \"'NoneType' object is not callable\" "
-    "from inside the walk, naming neither f nor the function (value_and_grad says 'fn must "
-    "be callable'); expected TypeError naming f"))
 @pytest.mark.parametrize("where", ["map_trainable", "tree.map", "tree.reduce"])
-def test_xfail_function_argument_not_callable(where):
+def test_function_argument_not_callable_is_refused_naming_f(where):
     tree = {"a": torch.ones(2)}
     call = {"map_trainable": lambda: ts.map_trainable(None, fresh()),
             "tree.map": lambda: ts.tree.map(None, tree),
@@ -1004,24 +983,21 @@ def test_xfail_function_argument_not_callable(where):
         call()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ts.tree.from_flat_dict(None) fails with \"'NoneType' object is not iterable\", naming "
-    "neither the argument nor the function (every other tree function says 'a tree must be a "
-    "dict at the root; got NoneType'); expected TypeError naming what was expected"))
-def test_xfail_from_flat_dict_none_message():
+def test_from_flat_dict_none_is_refused_naming_what_is_expected():
     with pytest.raises(TypeError, match="flat|mapping|dict"):
         ts.tree.from_flat_dict(None)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "map_trainable(f, model, tree) whose leaves have another shape than the parameters "
-    "(here (1,) and (3, 1, 1) against (4, 4)) runs f and returns broadcast leaves: a tree "
-    "that does not match the model is silently accepted (polyak_update and swap refuse the "
-    "same tree naming the path; ts.tree.map, a generic map like jax's, may broadcast, but "
-    "map_trainable's trees are matched to the model); expected ValueError naming "
-    "'enc.weight'"))
+@pytest.mark.parametrize("flat", ["a.b", torch.zeros(2), 7, [torch.zeros(2)], [("a",)]],
+                         ids=["str", "tensor", "int", "list-of-tensors", "one-tuple"])
+def test_from_flat_dict_other_non_pairs_are_refused(flat):
+    with pytest.raises(TypeError, match="from_flat_dict.*(mapping|pair)"):
+        ts.tree.from_flat_dict(flat)
+    assert ts.tree.paths(ts.tree.from_flat_dict([["a.b", torch.zeros(1)]])) == ["a.b"]
+
+
 @pytest.mark.parametrize("shape", [(1,), (3, 1, 1)])
-def test_xfail_map_trainable_tree_of_other_shapes(shape):
+def test_map_trainable_tree_of_other_shapes_is_refused(shape):
     m = fresh()
     tree = {k: torch.zeros(shape) for k, _ in m.named_parameters()}
     with pytest.raises(ValueError, match="polyak_update.*'enc.weight'"):
@@ -1030,11 +1006,7 @@ def test_xfail_map_trainable_tree_of_other_shapes(shape):
         ts.map_trainable(lambda p, t: p + t, m, tree)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "polyak_update(target, tree) ignores the leaves at frozen parameters' paths, whatever "
-    "they are: a wrong-shape leaf there is silently accepted while an unknown path is "
-    "refused; expected the tree checked against the model (ValueError naming 'head.bias')"))
-def test_xfail_polyak_wrong_leaf_at_a_frozen_path():
+def test_polyak_wrong_leaf_at_a_frozen_path_is_refused():
     m = fresh()
     ts.freeze(m, "head")
     tree = {k: p.detach().clone() for k, p in m.named_parameters()}
@@ -1045,14 +1017,8 @@ def test_xfail_polyak_wrong_leaf_at_a_frozen_path():
     assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structural_grad(m, loss_fn, create_graph=None) (or retain_graph='no') first runs the "
-    "user's forward (BatchNorm running statistics move) and then fails inside "
-    "torch.autograd.grad with \"'NoneType' object cannot be interpreted as an integer\", "
-    "naming neither argument; expected the flags checked before the forward, a TypeError "
-    "naming create_graph, buffers unchanged"))
 @pytest.mark.parametrize("kw", [dict(create_graph=None), dict(retain_graph="no")], ids=str)
-def test_xfail_structural_grad_bad_flag_runs_the_forward_first(kw):
+def test_structural_grad_bad_flag_is_refused_before_the_forward(kw):
     m = fresh()
     before = snap(m)
     with pytest.raises(TypeError, match=next(iter(kw))):
@@ -1099,11 +1065,7 @@ def test_unfreeze_int_parameter_attaches_first():
     assert _same(before, _internal(m))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structural_grad(m, loss, wrt='1.idx') on an int64 parameter fails inside torch with "
-    "'only Tensors of floating point dtype can require gradients', not naming the path; "
-    "expected ValueError naming '1.idx' as unfreeze does"))
-def test_xfail_structural_grad_wrt_int_parameter():
+def test_structural_grad_wrt_int_parameter_is_refused_by_path():
     m = _with_int_parameter()
     before = snap(m)
     with pytest.raises(ValueError, match=r"1\.idx"):
@@ -1115,23 +1077,33 @@ def _lazy():
     return nn.Sequential(nn.LazyLinear(2), nn.Linear(2, 2))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "freeze(m, '0') on an uninitialized LazyLinear fails with torch's 'Attempted to use an "
-    "uninitialized parameter in requires_grad_' (naming no path) and leaves the model "
-    "attached; torch itself allows `p.requires_grad = False` on an UninitializedParameter, "
-    "so freezing a lazy module before its first forward could work; expected it to work, "
-    "or a ValueError naming '0.weight' with nothing changed (summary/state_dict name it)"))
-def test_xfail_freeze_a_lazy_module():
+def test_freeze_a_lazy_module_holds_after_its_first_forward():
+    """torch allows ``p.requires_grad = False`` on an UninitializedParameter, and the first
+    forward materializes it in place (the same object): freezing a lazy module before its
+    first forward works, the flag holds after it, and reads agree before and after."""
     m = _lazy()
-    before = _internal(m)
-    try:
-        ts.freeze(m, "0")
-    except ValueError as e:
-        assert "0.weight" in str(e)
-        assert _same(before, _internal(m))
-    else:
+    ts.freeze(m, "0")
+    assert [n for n, _ in ts.trainable_parameters(m)] == ["1.weight", "1.bias"]
+    assert not ts.is_trainable(m, "0.weight")
+    m(torch.ones(1, 3)).sum().backward()
+    assert not nn.parameter.is_lazy(m[0].weight)
+    assert [p.requires_grad for p in m.parameters()] == [False, False, True, True]
+    assert [p.grad is None for p in m.parameters()] == [True, True, False, False]
+    assert [n for n, _ in ts.trainable_parameters(m)] == ["1.weight", "1.bias"]
+    # a block: frozen inside, also across the materializing forward; restored on exit
+    m = _lazy()
+    with ts.freeze_except(m, "1"):
         m(torch.ones(1, 3))
         assert [p.requires_grad for p in m.parameters()] == [False, False, True, True]
+    assert [p.requires_grad for p in m.parameters()] == [True, True, True, True]
+    assert [n for n, _ in ts.trainable_parameters(m)] == ["0.weight", "0.bias", "1.weight",
+                                                          "1.bias"]
+    # lifted before the first forward: as if never frozen
+    m = _lazy()
+    with ts.freeze(m, "0"):
+        pass
+    m(torch.ones(1, 3))
+    assert [p.requires_grad for p in m.parameters()] == [True, True, True, True]
 
 
 def test_lazy_parameters_elsewhere_are_named_or_skipped():
@@ -1148,13 +1120,8 @@ def test_lazy_parameters_elsewhere_are_named_or_skipped():
     assert [p.requires_grad for p in m.parameters()] == [True, True, False, False]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "polyak_update / swap / map_trainable on a model with an uninitialized lazy parameter "
-    "fail inside torch ('Can't access the shape of an uninitialized parameter', 'Attempted "
-    "to use an uninitialized parameter in mul') without naming the path; summary and "
-    "state_dict name '0.weight'; expected the same"))
 @pytest.mark.parametrize("call", ["polyak_update", "swap", "map_trainable"])
-def test_xfail_lazy_parameter_not_named(call):
+def test_lazy_parameter_is_named(call):
     m = _lazy()
     with pytest.raises(ValueError, match=r"'0\.weight'"):
         {"polyak_update": lambda: ts.polyak_update(m, _lazy(), 0.5),
@@ -1209,8 +1176,12 @@ _NUMBERS = st.one_of(
 
 
 def _valid_max_norm(v):
-    return (isinstance(v, (int, float)) and not isinstance(v, str)
-            and not math.isnan(float(v)) and float(v) >= 0)
+    """torch reads ``float(max_norm)`` (so "1", "inf" and True pass): >= 0, not NaN."""
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return False
+    return not math.isnan(x) and x >= 0
 
 
 def _valid_norm_type(v):
@@ -1223,8 +1194,7 @@ def _valid_norm_type(v):
 
 
 @settings(max_examples=150, deadline=None)
-@given(max_norm=_NUMBERS.filter(lambda v: not isinstance(v, str)),  # strings: see the xfail
-       norm_type=_NUMBERS)
+@given(max_norm=_NUMBERS, norm_type=_NUMBERS)
 def test_property_clip_against_torch(max_norm, norm_type):
     """Where torch's clip_grad_norm_ refuses, torchstruct refuses; a value the contract calls
     invalid (negative or NaN max_norm, norm_type <= 0 or NaN) is refused with gradients
@@ -1463,18 +1433,20 @@ def test_polyak_mixed_dtypes_inside_constant_is_refused_before_any_write():
         assert_unchanged(before, m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a callable selector that returns a tensor (lambda path, p: p.abs() > 0, a common slip) "
-    "fails with torch's 'Boolean value of Tensor with more than one value is ambiguous', "
-    "naming neither the selector nor the path it was asked about (select._predicate wraps it "
-    "in bool(...)); nothing changes, but the message should say the selector returned a "
-    "Tensor for 'enc.weight'"))
-def test_xfail_selector_returning_a_tensor_message():
+def test_selector_returning_a_tensor_is_refused_naming_the_path():
     m = fresh()
     before = snap(m)
     with pytest.raises((TypeError, ValueError, RuntimeError), match=r"selector.*'enc\.weight'"):
         ts.freeze(m, lambda path, p: p.abs() > 0)
     assert_unchanged(before, m)
+
+
+def test_selector_returning_a_0dim_tensor_is_a_truth_value():
+    """``(p != 0).all()`` is one answer per parameter: taken as its truth value."""
+    m = fresh()
+    got = [path for path, _ in ts.select(m, lambda path, p: (p != 0).all())]
+    assert got == [n for n, p in m.named_parameters() if bool((p != 0).all())]
+    assert "bn.bias" not in got and "enc.weight" in got
 
 
 class Tied(nn.Module):

@@ -314,12 +314,13 @@ def test_conversions_inside_a_block_restore_the_flags(how):
     assert all(flags(m)) and consistent(m)
 
 
-def test_freezing_an_unmaterialized_lazy_layer_raises_and_changes_nothing():
+def test_freezing_an_unmaterialized_lazy_layer_holds_across_its_materialization():
     m = nn.Sequential(nn.Linear(3, 3), nn.LazyLinear(3))
-    with pytest.raises(ValueError):
-        ts.freeze(m)
-    assert all(p.requires_grad for p in m[0].parameters())
-    m(x3())  # materialized
+    with ts.freeze(m):
+        assert not any(flags(m))
+        m(x3())  # materialized inside the block (the same parameter objects): still frozen
+        assert not any(flags(m)) and consistent(m)
+    assert all(flags(m)) and consistent(m)
     with ts.freeze(m):
         assert not any(flags(m))
     assert all(flags(m))

@@ -124,14 +124,19 @@ def _accumulate_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------- clipping
 
 
-def validate_max_norm(max_norm) -> float:
-    """Return ``max_norm`` as a float; ``ValueError`` unless it is >= 0 (inf allowed)."""
+def validate_max_norm(max_norm, name: str = "max_norm", text: bool = True) -> float:
+    """Return ``max_norm`` as a float; ``ValueError`` naming ``name`` unless it is >= 0 (inf
+    allowed). Read with ``float()`` as ``clip_grad_norm_`` reads it (a one-element tensor, a
+    bool, and with ``text`` a numeric string such as ``"1.0"``); ``text=False`` refuses
+    strings, as torch's optimizers refuse a hyper-parameter given as text."""
+    if not text and isinstance(max_norm, (str, bytes, bytearray)):
+        raise ValueError(f"{name} must be a number >= 0, got the string {max_norm!r}")
     try:
         value = float(max_norm)
     except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}") from None
+        raise ValueError(f"{name} must be a number >= 0, got {max_norm!r}") from None
     if math.isnan(value) or value < 0.0:
-        raise ValueError(f"max_norm must be >= 0, got {max_norm!r}")
+        raise ValueError(f"{name} must be >= 0, got {max_norm!r}")
     return value
 
 

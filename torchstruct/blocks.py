@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from . import _compile_caveats, _custom_functions, _state
+from ._checks import check_bool, refuse_lazy
 from ._ops import run_eagerly
 from ._reference import _place
 from .contexts import _Context
@@ -354,7 +355,8 @@ class stop_gradient(_SubstituteBlock):
         The context (use with ``with``, as a decorator, or call it bare to apply from now on).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module`` or a selector has an unsupported type.
+        TypeError: ``model`` is not an ``nn.Module``, a selector has an unsupported type, or
+            ``strict`` is not a bool.
         ValueError: a selector matching nothing (naming the closest paths).
 
     Example:
@@ -378,6 +380,7 @@ class stop_gradient(_SubstituteBlock):
     def _table(self):
         model, *selectors = self._args
         _check_model("stop_gradient", model)
+        check_bool(self._kwargs["strict"], "strict", "stop_gradient")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
         return {id(p): (p, _detach) for _, p in chosen}
 
@@ -406,8 +409,8 @@ class swap(_SubstituteBlock):
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, or a leaf is not a tensor.
         ValueError: a path that is not a parameter of ``model`` (naming the closest paths), a
-            non-canonical path of a tied parameter, or a shape/dtype/layout/device mismatch, naming
-            the path. Nothing is changed.
+            non-canonical path of a tied parameter, a shape/dtype/layout/device mismatch, or an
+            uninitialized lazy parameter, naming the path. Nothing is changed.
 
     Example:
         >>> import torch, torch.nn as nn, torchstruct as ts
@@ -447,6 +450,7 @@ class swap(_SubstituteBlock):
                     f"swap: {path!r} is not a parameter of the model; closest paths: "
                     f"{_closest(path, list(canonical))}"
                 )
+            refuse_lazy("swap", [(path, p)])
             for what in ("shape", "dtype", "layout", "device"):
                 want, got = getattr(p, what), getattr(t, what)
                 if want != got:
@@ -695,7 +699,8 @@ class constant(_Context):
         The context (use with ``with``, as a decorator, or call it bare to apply from now on).
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module`` or a selector has an unsupported type.
+        TypeError: ``model`` is not an ``nn.Module``, a selector has an unsupported type, or
+            ``strict`` is not a bool.
         ValueError: a selector matching nothing (naming the closest paths).
         RuntimeError: (inside the block) an operation that would write a selected parameter.
 
@@ -719,6 +724,7 @@ class constant(_Context):
     def _apply(self) -> None:
         model, *selectors = self._args
         _check_model("constant", model)
+        check_bool(self._kwargs["strict"], "strict", "constant")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
         protected = [(path, p) for path, p in chosen if p.numel() or p.layout != torch.strided]
         mode, rebind = _Guard(protected), _RefuseRebind(chosen)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ._checks import check_bool, refuse_lazy
 from .blocks import refuse_constant_writes
 from .declare import trainable_parameters
 from .select import _closest
@@ -89,12 +90,7 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
     if not isinstance(model, nn.Module):
         raise TypeError(f"state_dict: expected an nn.Module, got {type(model).__name__}")
     params = list(trainable_parameters(model))
-    lazy = [path for path, p in params if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise ValueError(
-            f"state_dict: {lazy[0]!r} is an uninitialized (lazy) parameter, which has no values "
-            "to save or load yet; run a forward pass first"
-        )
+    refuse_lazy("state_dict", params)  # no values to save or load yet
     out = {path: p.detach() for path, p in params}
     if buffers:
         trained = {id(p) for _, p in params}
@@ -178,7 +174,8 @@ def load_state_dict(
         ``IncompatibleKeys(missing_keys, unexpected_keys)``, as ``Module.load_state_dict``.
 
     Raises:
-        TypeError: ``model`` is not a module, or ``state`` not a mapping with string keys.
+        TypeError: ``model`` is not a module, ``state`` not a mapping with string keys, or
+            ``strict`` not a bool.
         ValueError: unknown keys (with the closest paths), missing keys (``strict``), values of
             the wrong type, shape, dtype or device, or one tensor given twice (a tied parameter
             under two paths) with different values. Nothing is written.
@@ -197,6 +194,7 @@ def load_state_dict(
         raise TypeError(f"load_state_dict: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(state, Mapping):
         raise TypeError(f"load_state_dict: state must be a mapping, got {type(state).__name__}")
+    check_bool(strict, "strict", "load_state_dict")
     bad_keys = [k for k in state if not isinstance(k, str)]
     if bad_keys:
         raise TypeError(f"load_state_dict: keys must be paths (str), got {bad_keys[0]!r}")

@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import _ops, _state, tree
+from . import _ops, _reference, _state, tree
 from .declare import trainable_parameters
 
 __all__ = ["clip_by_global_norm", "clip_grad_norm_", "global_norm"]
@@ -63,12 +63,18 @@ def global_norm(x, norm_type: float = 2.0) -> torch.Tensor:
         A 0-dim tensor (float32, or float64 when any input is float64; fp16/bf16 accumulate in
         fp32) on the device of the first tensor; ``tensor(0.)`` when there is nothing.
 
+    Raises:
+        ValueError: a ``norm_type`` that is not a number > 0 or inf (checked first, with the
+            message :func:`clip_by_global_norm` gives).
+        TypeError: ``x`` is none of the above, or an entry is not a tensor.
+
     Example:
         >>> import torch, torchstruct as ts
         >>> float(ts.global_norm({"a": torch.tensor([3.0]), "b": {"c": torch.tensor([4.0])}}))
         5.0
     """
-    return _ops.global_norm(_tensors(x), float(norm_type))
+    p = _reference.validate_norm_type(norm_type)
+    return _ops.global_norm(_tensors(x), p)
 
 
 def _grads_to_clip(params) -> list[torch.Tensor]:
@@ -130,7 +136,9 @@ def clip_by_global_norm(
             a tree (nested ``dict``, or flat path-keyed ``dict``) of gradient tensors, e.g. from
             ``ts.structural_grad``: its
             leaves themselves, a tensor held at several paths once (``None`` leaves skipped).
-        max_norm: the largest allowed total norm, ``>= 0`` (``ValueError`` otherwise).
+        max_norm: the largest allowed total norm, ``>= 0`` (``ValueError`` otherwise), read
+            with ``float()`` as ``clip_grad_norm_`` reads it (a one-element tensor or a
+            numeric string such as ``"1.0"`` is taken; ``"abc"`` or ``None`` is not).
         norm_type: 1, 2, ``inf`` or any p > 0.
         error_if_nonfinite: raise ``RuntimeError`` (gradients left unchanged) when the total
             norm is NaN or inf. This reads the norm on the host (a device sync on CUDA); without
@@ -143,7 +151,8 @@ def clip_by_global_norm(
         accumulated in fp32 all the same). ``tensor(0.)`` when there is no gradient.
 
     Raises:
-        ValueError: negative (or NaN) ``max_norm``, bad ``norm_type``.
+        ValueError: ``max_norm`` not a number, negative or NaN; bad ``norm_type`` (both
+            checked before any gradient is read).
         TypeError: a non-tensor entry, a sparse gradient, an unsupported dtype.
         RuntimeError: non-finite norm with ``error_if_nonfinite``; a device the compiled
             extension was not built for. Nothing is modified when anything is raised.
@@ -158,6 +167,8 @@ def clip_by_global_norm(
         1.0
     """
     del foreach  # always fused
+    norm_type = _reference.validate_norm_type(norm_type)  # before any path reads them
+    max_norm = _reference.validate_max_norm(max_norm)
     with torch.no_grad():
         if not error_if_nonfinite:  # a list of parameters: .grad read in C++ (many small ones)
             norm = _ops.clip_grads_of(params, max_norm, norm_type)

@@ -24,6 +24,7 @@ from typing import Callable, ClassVar
 from torch import nn
 
 from . import _checkpoints, _state, hooks
+from ._checks import check_bool
 from .select import ParamIndex, index, select
 
 __all__ = ["freeze", "freeze_except", "unfreeze", "RestoredFlagsWarning"]
@@ -497,14 +498,16 @@ class _FlagContext(_Context):
     def _make_entry(self) -> Entry:
         """Validate the arguments (raises before any change) and build the stack entry."""
         model, *selectors = self._args
+        who = type(self).__name__
         if not isinstance(model, nn.Module):
             raise TypeError(
-                f"{type(self).__name__}: first argument must be an nn.Module, got "
-                f"{type(model).__name__}"
+                f"{who}: first argument must be an nn.Module, got {type(model).__name__}"
             )
+        check_bool(self._kwargs["strict"], "strict", who)
+        check_bool(self._kwargs["freeze_norm_stats"], "freeze_norm_stats", who)
         if not selectors:
             if self.needs_selector:
-                raise TypeError(f"{type(self).__name__} needs at least one selector")
+                raise TypeError(f"{who} needs at least one selector")
             selectors = []  # the whole of ``model`` (an empty tuple means that to Entry)
         self._entry = Entry(self.kind, None, tuple(selectors), self._kwargs["freeze_norm_stats"])
         self._entry.scope = _scope_of(self._entry, model)  # a permanent context ends with it
@@ -519,6 +522,20 @@ class _FlagContext(_Context):
 
 class freeze(_FlagContext):
     """Turn the selected parameters off (all of ``model`` when no selector is given).
+
+    Arguments (the same for :class:`freeze_except` and :class:`unfreeze`):
+        model: the module whose parameters are selected.
+        *selectors: see :func:`~torchstruct.select`.
+        strict: when True (default), a selector that matches nothing raises.
+        freeze_norm_stats: whether normalization layers whose parameters are all frozen stop
+            updating their running statistics (default True).
+
+    Raises (all before anything changes):
+        TypeError: ``model`` is not a module, a selector has an unsupported type, or
+            ``strict`` / ``freeze_norm_stats`` is not a bool (``None`` or ``"no"`` are not
+            read by truthiness).
+        ValueError: a selector matching nothing (closest paths named), a module or parameter
+            that is not part of ``model``, an empty list of selectors.
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
@@ -536,6 +553,8 @@ class freeze(_FlagContext):
 class freeze_except(_FlagContext):
     """Turn every parameter of ``model`` off except the selected (which stay as they are).
 
+    Arguments and errors as :class:`freeze`.
+
     Example:
         >>> import torch.nn as nn, torchstruct as ts
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
@@ -550,6 +569,9 @@ class freeze_except(_FlagContext):
 
 class unfreeze(_FlagContext):
     """Turn the selected parameters on (all of ``model`` when no selector is given).
+
+    Arguments and errors as :class:`freeze`; also ``ValueError`` naming a selected parameter
+    whose dtype cannot require grad (an integer one), nothing changed.
 
     A declaration (``trainable()`` / :func:`~torchstruct.mark_trainable`) still wins: unfreeze
     lifts contexts and starting flags, not declarations.

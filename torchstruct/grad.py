@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _dtensor, _state
 from . import tree as _tree
+from ._checks import check_bool, refuse_no_grad_dtype
 from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, records_nothing
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
@@ -82,6 +83,9 @@ def _asked(model: nn.Module, wrt) -> Pairs:
             "parameters, or a callable that is False everywhere); an empty tree would hide the "
             "mistake"
         )
+    for path, p in asked:
+        refuse_no_grad_dtype(path, p, "structural_grad cannot take its gradient (select "
+                             "floating-point parameters only in wrt)")
     return asked
 
 
@@ -203,11 +207,14 @@ def structural_grad(
 
     Raises:
         TypeError: ``model`` is not a module, or ``loss`` is neither tensor nor callable, or the
-            callable does not return a tensor.
+            callable does not return a tensor; ``create_graph`` not a bool, ``retain_graph``
+            neither a bool nor None (checked before the loss callable runs).
         ValueError: the loss is not a scalar or does not require grad; an asked parameter does
             not require grad when ``loss`` is a tensor (it has no graph; the message names its
-            path); a ``wrt`` selector matching nothing (closest paths named) or selecting no
-            parameter (a module without parameters, a callable False everywhere); the loss reaches
+            path); a ``wrt`` parameter whose dtype cannot require grad (an integer one; its
+            path named, before anything runs); a ``wrt`` selector matching nothing (closest
+            paths named) or selecting no parameter (a module without parameters, a callable
+            False everywhere); the loss reaches
             none of the asked parameters (paths named); an asked parameter is used inside a
             reentrant checkpoint none of whose inputs requires grad; under DDP, a tensor loss
             outside ``ddp.no_sync()``, or ``create_graph=True``.
@@ -226,6 +233,8 @@ def structural_grad(
         >>> m[1].weight.grad is None
         True
     """
+    check_bool(create_graph, "create_graph", "structural_grad")  # before the loss runs
+    check_bool(retain_graph, "retain_graph", "structural_grad", none=True)
     with _state.without_stand_ins():
         asked = _asked(model, wrt)
     if not callable(loss):

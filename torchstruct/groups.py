@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ._checks import check_bool
 from .select import ParamIndex, _closest, index, select
 
 __all__ = ["param_groups", "layer_decay", "is_norm"]
@@ -54,12 +55,24 @@ def is_norm(module: nn.Module) -> bool:
     ``<digits>P`` or ``Gated`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``,
     ``GroupNorm32``, ``FrozenBatchNorm2d``, ``NemotronLayerNorm1P``, ``MambaRMSNormGated``).
 
+    Arguments:
+        module: a module instance (a class is not one: ``is_norm(nn.LayerNorm(4))``).
+
+    Returns:
+        Whether ``module`` is a normalization layer.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module`` instance (a class, None, a string).
+
     Example:
         >>> import torch.nn as nn, torchstruct as ts
         >>> class T5LayerNorm(nn.Module): pass
         >>> ts.is_norm(nn.LayerNorm(4)), ts.is_norm(T5LayerNorm()), ts.is_norm(nn.Linear(2, 2))
         (True, True, False)
     """
+    if not isinstance(module, nn.Module):
+        what = f"the class {module.__name__}" if isinstance(module, type) else type(module).__name__
+        raise TypeError(f"is_norm: expected an nn.Module instance, got {what}")
     return isinstance(module, _TORCH_NORMS) or bool(_NORM_NAME.search(type(module).__name__))
 
 
@@ -218,7 +231,8 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
             or one-element tensors as torch's optimizers allow), an option that looks like a
             typo of a known one, ``params`` or ``param_names`` among the options.
         TypeError: a rule that is not a pair, options that are not a dict, a bad selector,
-            a ``no_weight_decay()`` that returns a str or names that are not str.
+            a ``no_weight_decay()`` that returns a str or names that are not str, ``strict``
+            not a bool.
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
@@ -233,6 +247,7 @@ def param_groups(model: nn.Module, *rules, weight_decay=None, no_decay="auto",
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"param_groups: expected an nn.Module, got {type(model).__name__}")
+    check_bool(strict, "strict", "param_groups")
     if weight_decay is not None:
         weight_decay = _check_number(weight_decay, "weight_decay", "argument")
     checked = [_check_rule(rule, i) for i, rule in enumerate(rules)]

@@ -31,6 +31,7 @@ from torch.nn.modules import module as _module_mod
 from torch.nn.modules.batchnorm import _NormBase
 
 from . import _compile_caveats, _state
+from ._checks import check_bool, refuse_no_grad_dtype
 from .declare import effective
 
 __all__ = ["attach", "detach_hooks"]
@@ -151,18 +152,15 @@ class State:
             new = [(path, p, flags[id(p)]) for path, p in idx]
             changes = [c for c in new if c[1].requires_grad is not c[2]]
             for path, p, flag in changes:
-                if flag and not (p.is_floating_point() or p.is_complex()):
-                    raise ValueError(
-                        f"parameter {path!r} has dtype {p.dtype}, which cannot require grad; "
-                        "it cannot be made trainable (select floating-point parameters only). "
-                        "No flag was changed."
-                    )
+                if flag:
+                    refuse_no_grad_dtype(path, p, "it cannot be made trainable (select "
+                                         "floating-point parameters only). No flag was changed.")
             for guard in _state.flag_guards if changes else ():
                 guard(changes, refuse)
             members = {}
             for path, p, flag in new:
                 if p.requires_grad is not flag:
-                    p.requires_grad_(flag)
+                    write_flag(p, flag)
                 members[id(p)] = _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
             if changes:
                 _compile_caveats.warn_once()
@@ -293,6 +291,16 @@ class State:
                                             _stats_version(mod))
 
 
+def write_flag(p: nn.Parameter, flag: bool) -> None:
+    """``p.requires_grad_(flag)``; for an uninitialized lazy parameter (an ``nn.Lazy*`` module
+    before its first forward), which refuses every method, the attribute itself: the flag is
+    the object's own and stays with it when the first forward materializes it in place."""
+    if nn.parameter.is_lazy(p):
+        p.requires_grad = flag
+    else:
+        p.requires_grad_(flag)
+
+
 def _opted_out(root: nn.Module | None) -> set[int]:
     """Ids of the modules of ``root``'s tree given ``freeze_norm_stats=False``: by ``attach`` on
     themselves or, failing that, on their nearest ancestor that was given an option.
@@ -336,7 +344,7 @@ def _release(members: dict, keep: set[int], in_callback: bool = False) -> set[in
         rec = _state.record(p)
         if rec is not None and p.requires_grad is rec[1] and rec[0] is not rec[1]:
             if not in_callback:
-                p.requires_grad_(rec[0])
+                write_flag(p, rec[0])
             else:
                 try:
                     p.requires_grad = rec[0]
@@ -686,11 +694,7 @@ def attach(model: nn.Module, *, freeze_norm_stats: bool | None = None) -> nn.Mod
         TypeError: ``model`` is not an ``nn.Module``, or ``freeze_norm_stats`` is neither
             None nor a bool (nothing changes).
     """
-    if freeze_norm_stats is not None and not isinstance(freeze_norm_stats, bool):
-        raise TypeError(
-            f"attach: freeze_norm_stats must be True, False or None, got "
-            f"{type(freeze_norm_stats).__name__} {freeze_norm_stats!r}"
-        )
+    check_bool(freeze_norm_stats, "freeze_norm_stats", "attach", none=True)
     with _state.LOCK, attached_or_as_before(model):
         st = state_for(model)
         st.install()

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from ._checks import check_bool
 from .contexts import exchange, freeze, freeze_except
 from .select import select
 
@@ -91,7 +92,8 @@ class UnfreezeSchedule:
 
     Raises:
         TypeError: ``model`` is not a module, ``milestones`` not a mapping, a step not an
-            integer, or a selector of an unsupported type.
+            integer, a selector of an unsupported type, or ``strict`` / ``freeze_norm_stats``
+            not a bool.
         ValueError: no milestone, a negative step, an empty selector list, or a selector that
             matches nothing (naming the milestone and the closest paths).
         RuntimeError: the flags of step 0 cannot be applied (a wrapped DDP model cannot follow
@@ -135,8 +137,9 @@ class UnfreezeSchedule:
                 raise ValueError(f"UnfreezeSchedule: milestone step {step} is given twice")
             steps[step] = value
         self.model = model
-        self.strict = bool(strict)
-        self.freeze_norm_stats = bool(freeze_norm_stats)
+        self.strict = check_bool(strict, "strict", "UnfreezeSchedule")
+        self.freeze_norm_stats = check_bool(freeze_norm_stats, "freeze_norm_stats",
+                                            "UnfreezeSchedule")
         self._steps = tuple(sorted(steps))
         self._selectors = tuple(
             _milestone_selectors(model, s, steps[s], self.strict) for s in self._steps

@@ -22,7 +22,10 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+from ._checks import check_bool
 
 __all__ = ["select", "ParamIndex", "index", "Selector"]
 
@@ -158,11 +161,26 @@ def _predicate(
             )
         return pred
     if callable(sel):
-        return lambda path, p: bool(sel(path, p))
+        return lambda path, p: _answer(sel, path, p)
     raise TypeError(
         f"selector must be a str, re.Pattern, callable, nn.Module, nn.Parameter or a "
         f"list/tuple of these; got {type(sel).__name__}"
     )
+
+
+def _answer(sel: Callable, path: str, p: nn.Parameter) -> bool:
+    """A callable selector's answer for ``path``: a truth value (a 0-dim tensor such as
+    ``(p == 0).all()`` counts as one), not a tensor of elements (``p.abs() > 0`` is an element
+    mask, not a choice of the parameter)."""
+    out = sel(path, p)
+    if isinstance(out, torch.Tensor) and out.dim() > 0:
+        raise TypeError(
+            f"selector {getattr(sel, '__qualname__', type(sel).__name__)} returned a Tensor "
+            f"(shape {tuple(out.shape)}) for {path!r}; a callable selector answers True or "
+            "False per parameter (for example `bool((p != 0).any())`; element masks go to "
+            "ts.optim's masks=)"
+        )
+    return bool(out)
 
 
 def _flatten(selectors) -> Iterator:
@@ -199,7 +217,8 @@ def select(
         ValueError: a string or regex matching nothing (naming the closest existing paths), a
             module/parameter that does not belong to ``model`` (by identity), or an empty
             list/tuple of selectors (always, also with ``strict=False``).
-        TypeError: a selector of an unsupported type.
+        TypeError: a selector of an unsupported type, a callable selector returning a tensor
+            of one or more dimensions (the path named), or ``strict`` not a bool.
 
     Example:
         >>> import torch.nn as nn, torchstruct as ts
@@ -207,6 +226,7 @@ def select(
         >>> [path for path, _ in ts.select(m, "1")]
         ['1.weight', '1.bias']
     """
+    check_bool(strict, "strict", "select")
     idx = index(model) if idx is None else idx
     members = list(_flatten(selectors))
     preds = [_predicate(sel, model, idx, strict) for sel in members]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from ._checks import refuse_lazy
 from .declare import trainable_parameters
 
 __all__ = ["summary", "Summary", "Row"]
@@ -154,12 +155,7 @@ def _tree(model: nn.Module) -> _Node:
             if p is None:
                 continue
             ppath = f"{path}.{pname}" if path else pname
-            if nn.parameter.is_lazy(p):
-                raise ValueError(
-                    f"summary: parameter {ppath!r} is an uninitialized lazy parameter (an "
-                    f"nn.Lazy* module before its first forward): its size is not known yet; "
-                    f"run one forward first"
-                )
+            refuse_lazy("summary", [(ppath, p)])  # its size is not known yet
             kind = f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
             if id(p) in first:
                 row = Row(ppath, pname, kind, depth + 1, 0, 0, "", first[id(p)], True)

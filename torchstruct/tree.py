@@ -33,9 +33,10 @@ Conventions shared by every function here:
   such view per path of a tied parameter. ``from_module`` lists a tied
   parameter once, at its first path.
 
-This module knows nothing of trainability; it imports only torch and the
-standard library. ``map`` and ``reduce`` shadow builtins inside it: the
-builtins are reached through :mod:`builtins` where needed.
+This module knows nothing of trainability; it imports only torch, the
+standard library and the shared argument checks (:mod:`torchstruct._checks`).
+``map`` and ``reduce`` shadow builtins inside it: the builtins are reached
+through :mod:`builtins` where needed.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+
+from ._checks import check_callable
 
 __all__ = [
     "LeafSpec",
@@ -277,8 +280,8 @@ def map(f: Callable[..., Tensor | None], tree: Tree, *rest: Tree) -> Tree:
     Raises:
         ValueError: a tree in ``rest`` lacks a path of ``tree`` or has an extra
             one; the message names the first such path and the argument.
-        TypeError: a tree in ``rest`` is not a dict (named), ``f`` returned something
-            that is neither Tensor nor None, or as :func:`paths`.
+        TypeError: ``f`` is not callable, a tree in ``rest`` is not a dict (named), ``f``
+            returned something that is neither Tensor nor None, or as :func:`paths`.
 
     Example:
         >>> import torch
@@ -290,6 +293,7 @@ def map(f: Callable[..., Tensor | None], tree: Tree, *rest: Tree) -> Tree:
         >>> T.paths(T.map(lambda u: u if u.dim() else None, x))
         ['a']
     """
+    check_callable(f, "f", "map")
     items = list(_walk(tree))
     others = []
     for i, other in enumerate(rest):
@@ -321,6 +325,7 @@ def reduce(f: Callable[[Any, Tensor], Any], tree: Tree, init: Any) -> Any:
         The final accumulator.
 
     Raises:
+        TypeError: ``f`` is not callable.
         TypeError, ValueError: as :func:`paths`.
 
     Example:
@@ -329,6 +334,7 @@ def reduce(f: Callable[[Any, Tensor], Any], tree: Tree, init: Any) -> Any:
         >>> T.reduce(lambda n, x: n + x.numel(), {"a": torch.ones(2, 3), "b": {"c": torch.ones(4)}}, 0)
         10
     """
+    check_callable(f, "f", "reduce")
     return functools.reduce(f, (leaf for _, leaf in _walk(tree)), init)
 
 
@@ -600,7 +606,9 @@ def from_flat_dict(flat: Mapping[str, Tensor | None] | Iterable[tuple[str, Tenso
         ValueError: a path is not a string, has an empty component
             (``"a..b"``), appears twice, or conflicts with another
             (``"a"`` and ``"a.b"``: both are named).
-        TypeError: a value is neither Tensor nor None.
+        TypeError: ``flat`` is neither a mapping nor an iterable of pairs (None, a string,
+            a tensor), an item is not a ``(path, value)`` pair, or a value is neither Tensor
+            nor None.
 
     Example:
         >>> import torch
@@ -609,8 +617,18 @@ def from_flat_dict(flat: Mapping[str, Tensor | None] | Iterable[tuple[str, Tenso
         >>> list(t), list(t["enc"])
         (['enc', 'head'], ['w', 'b'])
     """
+    if isinstance(flat, (str, bytes, Tensor)) or not isinstance(flat, (Mapping, Iterable)):
+        raise TypeError(
+            "from_flat_dict: flat must be a mapping {path: tensor} or an iterable of "
+            f"(path, tensor) pairs; got {type(flat).__name__}"
+        )
     root: Tree = {}
     items = flat.items() if isinstance(flat, Mapping) else flat
-    for path, value in items:
-        _insert(root, path, value)
+    for i, item in enumerate(items):
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise TypeError(
+                f"from_flat_dict: item {i} must be a (path, tensor) pair; got "
+                f"{type(item).__name__}"
+            )
+        _insert(root, *item)
     return root

@@ -12,11 +12,15 @@ a ``state_dict``, see :mod:`torchstruct.tree`):
   (tied parameters included), and must have a leaf at that path in every tree (``ValueError``
   naming the path otherwise).
 - Leaves at other parameter paths of the model (frozen parameters, the later paths of a tied
-  parameter) are ignored: a tree covering the whole model is fine. A leaf at a path that names
-  no parameter of the model raises ``ValueError`` naming it (the tree does not match the model),
-  and so do two different tensors at two paths of a tied parameter (the tie would silently lose
-  one): the same tensor, or views of the same memory (what ``state_dict`` holds for a tied
-  parameter), are one. A source *module* for :func:`polyak_update` follows the same tie rule.
+  parameter) are not used: a tree covering the whole model is fine. Every leaf at a parameter
+  path, used or not, must have that parameter's shape (``ValueError`` naming the path: nothing
+  is broadcast). A leaf at a path that names no parameter of the model raises ``ValueError``
+  naming it (the tree does not match the model), and so do two different tensors at two paths
+  of a tied parameter (the tie would silently lose one): the same tensor, or views of the same
+  memory (what ``state_dict`` holds for a tied parameter), are one. A source *module* for
+  :func:`polyak_update` follows the same tie rule.
+- An uninitialized lazy parameter (an ``nn.Lazy*`` module before its first forward) where a
+  function needs its shape raises ``ValueError`` naming its path.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from . import tree as _tree
+from ._checks import check_callable, refuse_lazy
 from .blocks import refuse_constant_writes
 from .declare import trainable_parameters
 from .select import _closest, index
@@ -38,9 +43,12 @@ Pairs = list[tuple[str, nn.Parameter]]
 
 
 def _trainable(model: nn.Module, who: str) -> Pairs:
+    """The trainable ``(path, parameter)`` pairs of ``model``; none of them lazy."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"{who}: expected an nn.Module, got {type(model).__name__}")
-    return list(trainable_parameters(model))
+    pairs = list(trainable_parameters(model))
+    refuse_lazy(who, pairs)
+    return pairs
 
 
 def _check_ties(idx, flat: dict, what: str) -> None:
@@ -60,20 +68,29 @@ def _leaves_for(model: nn.Module, pairs: Pairs, tree: dict, what: str) -> list[t
     """The leaf of ``tree`` at each path of ``pairs``; checks the tree against the model."""
     flat = _tree.to_flat_dict(tree)
     idx = index(model)
-    first = {path: ps[0] for ps in idx.paths for path in ps}
+    param_at = {path: p for p, ps in zip(idx.params, idx.paths) for path in ps}
     buffers = None
     for path, leaf in flat.items():
-        if path not in first:
-            buffers = {n for n, _ in model.named_buffers()} if buffers is None else buffers
-            if path in buffers:
+        p = param_at.get(path)
+        if p is not None:  # a leaf at a parameter's path, trainable or not, is its shape
+            refuse_lazy(what, [(path, p)])
+            if leaf.shape != p.shape:
                 raise ValueError(
-                    f"{what} has a leaf at {path!r}, a buffer of the model, not a parameter "
-                    f"(a state_dict holds buffers too: keep its parameter paths only)"
+                    f"{what} has at {path!r} a leaf of shape {tuple(leaf.shape)}, but that "
+                    f"parameter has shape {tuple(p.shape)} (a tree matched to the model holds "
+                    "each parameter's shape; nothing is broadcast)"
                 )
+            continue
+        buffers = {n for n, _ in model.named_buffers()} if buffers is None else buffers
+        if path in buffers:
             raise ValueError(
-                f"{what} has a leaf at {path!r}, which is not a parameter path of the model; "
-                f"closest: {_closest(path, idx.all_paths())}"
+                f"{what} has a leaf at {path!r}, a buffer of the model, not a parameter "
+                f"(a state_dict holds buffers too: keep its parameter paths only)"
             )
+        raise ValueError(
+            f"{what} has a leaf at {path!r}, which is not a parameter path of the model; "
+            f"closest: {_closest(path, idx.all_paths())}"
+        )
     _check_ties(idx, flat, what)
     missing = [path for path, _ in pairs if path not in flat]
     if missing:
@@ -100,10 +117,11 @@ def map_trainable(f: Callable, model: nn.Module, *trees: dict) -> dict:
         A tree of ``f``'s results at the trainable paths.
 
     Raises:
-        TypeError: ``model`` is not a module, a tree is not a tree, or ``f`` returned something
-            that is neither tensor nor None.
-        ValueError: a tree lacks a trainable path, or has a leaf at a path that is no parameter
-            path of the model (the message names the path and the tree).
+        TypeError: ``f`` is not callable, ``model`` is not a module, a tree is not a tree, or
+            ``f`` returned something that is neither tensor nor None.
+        ValueError: a tree lacks a trainable path, has a leaf at a path that is no parameter
+            path of the model, or a leaf of another shape than its parameter; a trainable
+            parameter is an uninitialized lazy one (the message names the path, and the tree).
 
     Example:
         >>> import torch, torch.nn as nn, torchstruct as ts
@@ -114,6 +132,7 @@ def map_trainable(f: Callable, model: nn.Module, *trees: dict) -> dict:
         >>> ts.tree.to_flat_dict(sq)
         {'1.weight': tensor(2.), '1.bias': tensor(1.)}
     """
+    check_callable(f, "f", "map_trainable")
     pairs = _trainable(model, "map_trainable")
     columns = [_leaves_for(model, pairs, t, f"tree argument {i}") for i, t in enumerate(trees, 1)]
     rows = zip(*columns) if columns else ((),) * len(pairs)
@@ -149,6 +168,7 @@ def _source_tree(target: nn.Module, pairs: Pairs, source) -> list[torch.Tensor]:
 
 
 def _check_pairs(pairs: Pairs, sources: list[torch.Tensor]) -> None:
+    refuse_lazy("polyak_update: source", [(path, s) for (path, _), s in zip(pairs, sources)])
     for (path, p), s in zip(pairs, sources):
         if s.shape != p.shape or s.dtype != p.dtype or s.device != p.device:
             raise ValueError(

@@ -47,7 +47,8 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _dtensor, _ops, _state
-from .._reference import FLOAT_DTYPES, _is_non_overlapping_and_dense, _place, validate_norm_type
+from .._reference import (FLOAT_DTYPES, _is_non_overlapping_and_dense, _place, validate_max_norm,
+                          validate_norm_type)
 from ..select import _closest
 
 __all__ = ["MaskedOptimizer"]
@@ -61,13 +62,12 @@ def _number(value, what: str) -> float:
 
 
 def _max_grad_norm(value, name: str) -> Optional[float]:
-    """``max_grad_norm`` checked: None, or a number >= 0 (``ValueError`` otherwise)."""
+    """``max_grad_norm`` checked as ``clip_by_global_norm`` checks ``max_norm``: None, or a
+    number >= 0 (``ValueError`` otherwise; a string too, as for any hyper-parameter of a
+    torch optimizer)."""
     if value is None:
         return None
-    number = _number(value, f"{name}: max_grad_norm")
-    if math.isnan(number) or number < 0:
-        raise ValueError(f"{name}: max_grad_norm must be >= 0, got {value!r}")
-    return number
+    return validate_max_norm(value, f"{name}: max_grad_norm", text=False)
 
 
 def _lr_scale(group: dict, where: str) -> float:

@@ -20,7 +20,8 @@ class AdamW(MaskedOptimizer):
       are updated (masked-out elements and their moments stay bitwise unchanged; the
       parameter's step count still advances).
     * ``max_grad_norm``: clip by the global norm of all stepped gradients, folded
-      into the update (the gradients are read, never written). The last total norm
+      into the update (the gradients are read, never written). A number >= 0 or None
+      (``ValueError`` otherwise, a string included). The last total norm
       is ``optimizer.last_grad_norm``.
     * ``norm_type``: the order of that norm (default 2).
 

@@ -19,7 +19,8 @@ class SGD(MaskedOptimizer):
     * ``masks``: ``{param: bool tensor}``; only the elements where the mask is True
       are updated (masked-out elements and their momentum stay bitwise unchanged).
     * ``max_grad_norm``: clip by the global norm of all stepped gradients, folded
-      into the update (the gradients are read, never written). The last total norm
+      into the update (the gradients are read, never written). A number >= 0 or None
+      (``ValueError`` otherwise, a string included). The last total norm
       is ``optimizer.last_grad_norm``.
     * ``norm_type``: the order of that norm (default 2).
 

@@ -1,0 +1,52 @@
+"""Argument checks shared by the public functions: one mistake, one message, wherever it is made.
+
+Each check raises before its caller changes anything, naming the function and the argument
+(or the parameter's path).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["check_bool", "check_callable", "refuse_lazy", "refuse_no_grad_dtype"]
+
+
+def check_bool(value, name: str, who: str, *, none: bool = False):
+    """``value`` when it is a bool (or None, with ``none``); else ``TypeError`` naming ``name``.
+
+    A flag such as ``strict`` or ``freeze_norm_stats`` is never read by truthiness: ``None``
+    would be read as False and the string ``"no"`` as True, the opposite of what was written.
+    """
+    if isinstance(value, bool) or (none and value is None):
+        return value
+    allowed = "True, False or None" if none else "True or False"
+    raise TypeError(f"{who}: {name} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+def check_callable(f, name: str, who: str):
+    """``f`` when it is callable; else ``TypeError`` naming ``name``."""
+    if not callable(f):
+        raise TypeError(f"{who}: {name} must be callable, got {type(f).__name__}")
+    return f
+
+
+def refuse_lazy(who: str, pairs: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """``ValueError`` naming the first uninitialized lazy parameter among ``(path, param)``:
+    it has no shape nor values before its module's first forward."""
+    for path, p in pairs:
+        if nn.parameter.is_lazy(p):
+            raise ValueError(
+                f"{who}: parameter {path!r} is an uninitialized lazy parameter (an nn.Lazy* "
+                "module before its first forward): its shape and values are not known yet; "
+                "run one forward first"
+            )
+
+
+def refuse_no_grad_dtype(path: str, p, consequence: str) -> None:
+    """``ValueError`` naming ``path`` when ``p``'s dtype cannot require grad (integers, bool):
+    only floating-point and complex tensors can; ``consequence`` says what cannot be done."""
+    if not (p.is_floating_point() or p.is_complex()):
+        raise ValueError(
+            f"parameter {path!r} has dtype {p.dtype}, which cannot require grad; {consequence}"
+        )
