@@ -127,15 +127,14 @@ def _flags_for(run_function) -> tuple:
     running = getattr(_LOCAL, "running", None)
     if running:
         params.update((id(p), p) for p, _ in running[-1])
-    elif not params and not _state.entries:
+    elif not params:
         with _state.LOCK:  # the last context's model is gone: torch's own forward again
-            if not _state.entries:
+            if not any(e.scope() is not None for e in _state.entries):
                 keep_flags(False)
-    if params:
-        mods = {id(m) for m in modules_behind(run_function)}
+    mods = {id(m) for m in modules_behind(run_function)}
+    if params and mods:  # a function bound to no module at all: every model's flags
         own = [st.members for st in _state.live_states() if not mods.isdisjoint(st.module_ids)]
-        if own:
-            params = {i: p for i, p in params.items() if any(i in m for m in own)}
+        params = {i: p for i, p in params.items() if any(i in m for m in own)}
     return tuple((p, p.requires_grad) for p in params.values())
 
 

@@ -34,7 +34,7 @@ from torch import nn
 from . import tree as _tree
 from ._checks import check_callable, refuse_lazy
 from .blocks import refuse_constant_writes
-from .declare import trainable_parameters
+from .declare import starting_flag, trainable_parameters
 from .select import _closest, index
 
 __all__ = ["map_trainable", "polyak_update"]
@@ -191,6 +191,13 @@ def _lerp(targets: list[torch.Tensor], sources: list[torch.Tensor], tau: float) 
         torch._foreach_lerp_(ts_, ss, tau)
 
 
+def _frozen_by_hand(model: nn.Module) -> bool:
+    """``model`` has parameters and every one starts from ``requires_grad=False`` (not frozen
+    by a context or declaration: those leave a target deliberately still)."""
+    params = list(model.parameters())
+    return bool(params) and not any(starting_flag(p, "", {})[0] for p in params)
+
+
 def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
     """``target <- (1 - tau) * target + tau * source`` over the trainable parameters of ``target``.
 
@@ -209,9 +216,10 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
         ``target``.
 
     Raises:
-        ValueError: ``tau`` outside [0, 1]; ``target`` has parameters but none is trainable
-            (nothing would move); a trainable path missing from ``source``; a source tensor
-            whose shape, dtype or device differs from the target's (path named).
+        ValueError: ``tau`` outside [0, 1]; every parameter of ``target`` frozen by hand
+            (``requires_grad=False`` before torchstruct: nothing would move); a trainable path
+            missing from ``source``; a source tensor whose shape, dtype or device differs from
+            the target's (path named).
         TypeError: ``target`` is not a module, ``source`` neither module nor tree, or ``tau``
             not a number.
         RuntimeError: inside a ``ts.constant`` block protecting a parameter it would update
@@ -228,12 +236,14 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
     """
     tau = _check_tau(tau)
     pairs = _trainable(target, "polyak_update")
-    if not pairs and next(target.parameters(), None) is not None:
+    if not pairs and _frozen_by_hand(target):
         raise ValueError(
-            "polyak_update: no parameter of target is trainable, so nothing would be updated "
-            "(a target network frozen with requires_grad_(False)?); the update follows "
-            "target's trainable parameters: to update all of them, call it inside "
-            "`with ts.unfreeze(target):`"
+            "polyak_update: every parameter of target was frozen by hand (requires_grad=False "
+            "before torchstruct, as a target network made with requires_grad_(False)), so "
+            "nothing would be updated; the update follows target's trainable parameters: call "
+            "it inside `with ts.unfreeze(target):` to update them (or `ts.unfreeze(target, "
+            "*selectors)` naming the floating-point parameters to update, when target holds "
+            "integer ones)"
         )
     sources = _source_tree(target, pairs, source)
     _check_pairs(pairs, sources)
