@@ -36,3 +36,38 @@ class EncDec(nn.Module):
 def trainable(model):
     """Sorted names of the parameters whose ``requires_grad`` is on."""
     return sorted(n for n, p in model.named_parameters() if p.requires_grad)
+
+
+class Checkpointed(nn.Module):
+    """An input layer, a middle run through ``torch.utils.checkpoint`` (``mode``: None for no
+    checkpoint, else ``use_reentrant``), a head."""
+
+    def __init__(self, mode):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(4, 4)
+        self.mid = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.out = nn.Linear(4, 1)
+        self.mode = mode
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        h = self.mid(h) if self.mode is None else checkpoint(self.mid, h, use_reentrant=self.mode)
+        return self.out(h)
+
+
+def grads(model):
+    """``{path: copy of .grad or None}``."""
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def same_grads(a, b):
+    """Two results of :func:`grads` are equal: the same paths without a gradient, the others
+    bitwise."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] is None) == (b[k] is None), k
+        if a[k] is not None:
+            assert torch.equal(a[k], b[k]), k

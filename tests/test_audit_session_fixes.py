@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import torchstruct as ts
+from _models import Checkpointed as Net, grads, same_grads
 from torchstruct import _state
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -37,20 +38,8 @@ def X(seed=0, req=False):
     return x.requires_grad_() if req else x
 
 
-def grads(model):
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
 def flags(model):
     return [p.requires_grad for p in model.parameters()]
-
-
-def same_grads(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert (a[k] is None) == (b[k] is None), k
-        if a[k] is not None:
-            assert torch.equal(a[k], b[k]), k
 
 
 @pytest.fixture(autouse=True)
@@ -64,21 +53,6 @@ def _quiet():
 
 
 # ============================================================================ 5. checkpoint flags
-class Net(nn.Module):
-    def __init__(self, mode):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(4, 4)
-        self.mid = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-        self.out = nn.Linear(4, 1)
-        self.mode = mode  # None: no checkpoint; True: reentrant
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = self.mid(h) if self.mode is None else checkpoint(self.mid, h, use_reentrant=True)
-        return self.out(h)
-
-
 class Nest(nn.Module):
     """A reentrant checkpoint inside another one's function."""
 

@@ -13,41 +13,15 @@ from torch.utils.checkpoint import checkpoint
 
 import torchstruct as ts
 from _flags import flags
+from _models import Checkpointed as Net, grads, same_grads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 FORWARD = torch.utils.checkpoint.CheckpointFunction.__dict__["forward"]
 
 
-class Net(nn.Module):
-    def __init__(self, mode):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(4, 4)
-        self.mid = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
-        self.out = nn.Linear(4, 1)
-        self.mode = mode  # None: no checkpoint; True / False: use_reentrant
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = self.mid(h) if self.mode is None else checkpoint(self.mid, h, use_reentrant=self.mode)
-        return self.out(h)
-
-
 def X(seed=0):
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
-
-
-def grads(model):
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
-def same_grads(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert (a[k] is None) == (b[k] is None), k
-        if a[k] is not None:
-            assert torch.equal(a[k], b[k]), k
 
 
 def backward_after(make_context, mode, before=None):
