@@ -11,6 +11,7 @@ saying what happens and what is expected. Every other test passes as an ordinary
 import copy
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -1282,7 +1283,8 @@ def test_consumed_generators_behave_as_in_torch():
     assert torch.allclose(ts.clip_by_global_norm(g, 0.1), torch.nn.utils.clip_grad_norm_(h, 0.1))
     with pytest.warns(UserWarning, match="empty generator"):
         a = ts.clip_by_global_norm(g, 0.1)
-    with pytest.warns(UserWarning, match="empty generator"):
+    with warnings.catch_warnings():  # torch warns too from 2.5 on; before, it says nothing
+        warnings.simplefilter("ignore")
         b = torch.nn.utils.clip_grad_norm_(h, 0.1)
     assert float(a) == float(b) == 0.0
     grads = (p.grad for p in m.parameters())
@@ -1330,11 +1332,16 @@ def test_frozen_only_selections_are_answers_not_errors():
     tree = ts.structural_grad(m, _loss, wrt="enc")
     assert ts.tree.paths(tree) == ["enc.weight", "enc.bias"]
     assert_unchanged(before, m)
+    def brute(tensors):
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in tensors]))
+
+    want = brute([p.grad for _, p in ts.trainable_parameters(m)])
     norm = ts.clip_by_global_norm(m, 1e-3)
     assert torch.equal(m.enc.weight.grad, stale)
     trainable = [p.grad for _, p in ts.trainable_parameters(m)]
-    assert torch.allclose(norm, torch.nn.utils.get_total_norm(trainable) * 0 + norm)
-    assert torch.allclose(ts.global_norm(m), torch.nn.utils.get_total_norm(trainable))
+    assert torch.allclose(norm, want)
+    assert torch.allclose(ts.global_norm(m), brute(trainable))
+    assert torch.allclose(brute(trainable), torch.tensor(1e-3), rtol=1e-4)
 
 
 def test_clip_and_norm_against_torch_on_a_duplicated_list():
