@@ -131,10 +131,11 @@ def _flags_for(run_function) -> tuple:
         with _state.LOCK:  # the last context's model is gone: torch's own forward again
             if not any(e.scope() is not None for e in _state.entries):
                 keep_flags(False)
-    mods = {id(m) for m in modules_behind(run_function)}
-    if params and mods:  # a function bound to no module at all: every model's flags
-        own = [st.members for st in _state.live_states() if not mods.isdisjoint(st.module_ids)]
-        params = {i: p for i, p in params.items() if any(i in m for m in own)}
+    mods = {id(m) for m in modules_behind(run_function)} if params else ()
+    if mods:  # a function bound to no module at all: every model's flags
+        own = set().union(*(st.members for st in _state.live_states()
+                            if not mods.isdisjoint(st.module_ids)))
+        return tuple((p, p.requires_grad) for i, p in params.items() if i in own)
     return tuple((p, p.requires_grad) for p in params.values())
 
 
