@@ -152,8 +152,8 @@ def internal(model):
     """torchstruct's own state as it concerns ``model`` (matched by identity)."""
     mods, ps = list(model.modules()), list(model.parameters())
     return dict(
-        states=[(i, _state.states[id(m)].registrations) for i, m in enumerate(mods)
-                if id(m) in _state.states],
+        states=[(i, _state.state_of(m).registrations) for i, m in enumerate(mods)
+                if _state.state_of(m) is not None],  # by identity: a dead model's id is reused
         entries=[e.registrations for e in _state.entries],
         records=[(i, r.base, r.written) for i, p in enumerate(ps)
                  for r in list(_state.records.values()) if r.p is p],
