@@ -187,10 +187,10 @@ def run(rounds: int = 5) -> str:
         rows.append(dict(name=name, fwd=fwd, bwd=bwd, tbwd=tensor_bwd, peak=peak_bytes(fn),
                          saved=saved_bytes(model, fn), grads=bytes_of(ts.tree.leaves(grads)),
                          leaves=len(ts.tree.paths(grads))))
-    return report(model, rows, rounds)
+    return _table(model, rows, rounds)
 
 
-def report(model, rows, rounds) -> str:
+def _table(model, rows, rounds) -> str:
     a, mib = rows[0], 1 << 20
     n_params = sum(p.numel() for p in model.parameters())
     lines = [

@@ -278,7 +278,7 @@ def _ddp_freezing(rank, checks):
     same = _same_on_all_ranks(torch.cat([p.detach().reshape(-1) for p in m.parameters()]))
     errors = torch.tensor([0.0 if outcome == "no error" else 1.0])
     dist.all_reduce(errors)
-    _check(checks, "xfail one-rank freeze: an error or the same parameters on every rank",
+    _check(checks, "one-rank freeze: an error or the same parameters on every rank",
            bool(errors.item() == dist.get_world_size()) or same,
            f"{outcome}; flags {flags.tolist()}; parameters the same on every rank: {same}")
 
@@ -487,14 +487,8 @@ def test_ddp_structural_grad_and_norms_are_the_averaged_ones(ddp_checks):
 
 
 @needs_gloo
-@pytest.mark.xfail(strict=True, reason=(
-    "A parameter frozen on one rank only of a DDP model built with find_unused_parameters=True "
-    "passes the guard (each rank checks its own flags, no collective), DDP averages the other "
-    "rank's gradient with zeros, and ts.optim skips the parameter on the rank that froze it: "
-    "the ranks' parameters silently diverge. Expected: an error on every rank (a check that "
-    "the ranks agree on what trains, at a point every rank reaches) or equal parameters."))
 def test_ddp_a_parameter_frozen_on_one_rank_only_is_an_error(ddp_checks):
-    _assert_ok(_part(ddp_checks, "freeze: xfail one-rank"), 1)
+    _assert_ok(_part(ddp_checks, "freeze: one-rank"), 1)
 
 
 @needs_gloo

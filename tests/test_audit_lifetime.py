@@ -466,12 +466,16 @@ def test_ddp_wrappers_rebuilt_each_epoch_hold_only_the_newest(one_process_group)
         gc.collect()
         mine = [h for h in distributed._wrapped.values() if any(h[2] is p for p in m.parameters())]
         assert len(mine) == 4 and all(h[0]() is ddp for h in mine) and no_weakrefs(m)
+        assert [r() for r, pairs in distributed._synchronized.items()
+                if any(q is p for _, q in pairs for p in m.parameters())] == [ddp]
     with pytest.raises(RuntimeError, match="find_unused_parameters"):
         ts.freeze(m, "0")
     assert all(flags(m))
     del ddp
     gc.collect()
     assert all(h[2] is not p for h in distributed._wrapped.values() for p in m.parameters())
+    assert all(q is not p for pairs in distributed._synchronized.values() for _, q in pairs
+               for p in m.parameters())
     ts.freeze(m, "0")
     assert flags(m) == [False, False, True, True] == reads(m)
 

@@ -10,7 +10,9 @@ error that says what to do, and changes no flag:
 - a parameter that DDP does not synchronize would start training: always refused (re-wrap);
 - a synchronized parameter would stop training: refused unless the wrapper was built with
   ``find_unused_parameters=True`` (and without ``static_graph=True``, which fixes the used
-  set after the first step), which copes with it.
+  set after the first step), which copes with it, as long as every rank makes the same
+  change: each reducing backward of such a wrapper ends with a check that the ranks train the
+  same synchronized parameters, an error on every rank when they do not.
 
 Leaving a context always restores the flags; when that changes what a live wrapper
 synchronizes (the model was wrapped inside the context), a ``RuntimeWarning`` says so.
@@ -60,10 +62,14 @@ __all__: list[str] = []
 # never by a weak reference (torch.utils.swap_tensors refuses a tensor that has one); the
 # wrapper's entries go when it is collected.
 _wrapped: dict[int, tuple[weakref.ref, bool, object]] = {}
+# weakref to a DDP wrapper -> the (path, parameter) pairs it synchronizes, in its module's order
+# when it was built: the same on every rank, whatever a rank's module tree became since
+_synchronized: dict[weakref.ref, list] = {}
 
 
 def _forget_wrapper(ref: weakref.ref) -> None:
     """A DDP wrapper was collected: forget its parameters (runs as a weakref callback)."""
+    _synchronized.pop(ref, None)
     for key, hit in _snapshot(_wrapped):
         if hit[0] is ref:
             _wrapped.pop(key, None)
@@ -74,10 +80,14 @@ def _on_module_registered(module: nn.Module, name: str, inner) -> None:
     if isinstance(module, DistributedDataParallel) and name == "module":
         ref = weakref.ref(module, _forget_wrapper)
         ignored = getattr(module, "parameters_to_ignore", ())  # DDP leaves their flags free
+        synchronized = []
         for path, p in inner.named_parameters():
             if path in ignored:
                 continue
             _wrapped[id(p)] = (ref, p.requires_grad, p)
+            if p.requires_grad:
+                synchronized.append((path, p))
+        _synchronized[ref] = synchronized
         module.register_forward_pre_hook(_before_forward)
         module.register_forward_hook(_after_forward, always_call=True)
 
@@ -99,7 +109,11 @@ def _before_forward(ddp: DistributedDataParallel, _args) -> None:
 def _after_forward(ddp: DistributedDataParallel, _args, out) -> None:
     """Refuse a forward in which a block (``stop_gradient``, ``swap``) took a synchronized
     parameter out of every use, while the wrapper waits for every gradient: DDP would reduce
-    none of that bucket, leave this step's gradients local, and fail only at the next step."""
+    none of that bucket, leave this step's gradients local, and fail only at the next step.
+    Where a synchronized parameter may stop training, its backward checks that the ranks agree
+    on what trains."""
+    if out is not None and _lets_training_stop(ddp):
+        _agree_on_flags_after_backward(ddp, out)
     before = ddp.__dict__.pop("_torchstruct_blocks", None)
     if before is None or out is None:
         return
@@ -116,6 +130,72 @@ def _after_forward(ddp: DistributedDataParallel, _args, out) -> None:
             "would wait for its gradient, leave this step's gradients unreduced and fail at "
             "the next step. Build the wrapper with find_unused_parameters=True, or keep a use "
             "of the parameter outside the block."
+        )
+
+
+def _lets_training_stop(ddp: DistributedDataParallel) -> bool:
+    """Whether this forward prepares a reduction in which a synchronized parameter may have
+    stopped training (the guard allows it only with ``find_unused_parameters=True``). The
+    answer is the same on every rank: it depends only on how the wrapper was built and on
+    what DDP itself needs alike on every rank (a backward after a forward with grad enabled,
+    outside ``no_sync()``). Inside ``Join`` (uneven inputs) no check is made: a rank that has
+    run out of data shadows DDP's own collectives only, and would leave the others waiting."""
+    join = getattr(ddp, "_join_config", None)
+    return (ddp.find_unused_parameters and torch.is_grad_enabled()
+            and ddp.require_backward_grad_sync and not getattr(ddp, "static_graph", False)
+            and not torch.compiler.is_compiling() and not getattr(join, "enable", False))
+
+
+def _agree_on_flags_after_backward(ddp: DistributedDataParallel, out) -> None:
+    """Check, at the end of the backward through ``out`` (after DDP's reducer has finished),
+    that every rank trains the same synchronized parameters.
+
+    A parameter frozen on some ranks only is, to DDP with ``find_unused_parameters=True``, a
+    parameter those ranks did not use: its averaged gradient reaches every rank, but an
+    optimizer that skips frozen parameters (``ts.optim``) moves it on the other ranks only, and
+    the ranks' weights drift apart without an error. The check is one all-reduce of a flag per
+    synchronized parameter, made by every rank in the same backward DDP reduces in, so a
+    disagreement is an error on every rank, never a hang."""
+    nodes = {t.grad_fn for t in _find_tensors(out) if t.grad_fn is not None}
+    if not nodes:
+        return
+    ref, queued = weakref.ref(ddp), []
+    engine = torch.autograd.Variable._execution_engine
+
+    def after_reducer():  # DDP's reducer queued its own callback during the backward
+        queued.clear()
+        ddp = ref()
+        if ddp is not None:
+            _agree_on_flags(ddp)
+
+    def at_first_node(*_):
+        if not queued:  # once per backward, whichever output it starts from
+            queued.append(True)
+            engine.queue_callback(lambda: engine.queue_callback(after_reducer))
+
+    for node in nodes:
+        node.register_prehook(at_first_node)
+
+
+def _agree_on_flags(ddp: DistributedDataParallel) -> None:
+    """Raise on every rank if the ranks train different synchronized parameters."""
+    synchronized = _synchronized.get(weakref.ref(ddp), [])
+    n = len(synchronized)
+    trains = torch.tensor([p.requires_grad for _, p in synchronized], dtype=torch.int32)
+    both = torch.cat([trains, -trains]).to(_device(ddp))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ddp.process_group)
+    differ = (both[:n] + both[n:]).nonzero().flatten().tolist()  # max - min, per parameter
+    if differ:
+        paths = [synchronized[i][0] for i in differ]
+        here = ", ".join(f"{p!r} ({'trains' if synchronized[i][1].requires_grad else 'frozen'})"
+                         for i, p in zip(differ, paths))
+        raise RuntimeError(
+            f"The ranks of the DistributedDataParallel group disagree on what trains: "
+            f"{len(paths)} synchronized parameter(s) train on some ranks and are frozen on "
+            f"others; on this rank: {here}. DDP averages their gradients on every rank, but "
+            "an optimizer skips a frozen parameter, so the ranks' weights would drift apart. "
+            "Make the same change of what trains on every rank. This backward's gradients are "
+            "in .grad; no flag or parameter was changed."
         )
 
 

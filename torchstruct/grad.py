@@ -73,7 +73,7 @@ def _asked(model: nn.Module, wrt) -> Pairs:
             "torch.autograd.grad bypasses them. Call loss.backward() and take the sharded "
             "gradients as a tree with ts.grad_tree(model)."
         )
-    trainable = list(trainable_parameters(model))  # also attaches the model
+    trainable = list(trainable_parameters(model))  # a read: attaches nothing
     if wrt is None:
         return trainable
     asked = select(model, wrt)
