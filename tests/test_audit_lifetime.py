@@ -10,6 +10,7 @@ import copy
 import gc
 import io
 import threading
+import warnings
 import weakref
 
 import pytest
@@ -478,6 +479,28 @@ def test_ddp_wrappers_rebuilt_each_epoch_hold_only_the_newest(one_process_group)
                for p in m.parameters())
     ts.freeze(m, "0")
     assert flags(m) == [False, False, True, True] == reads(m)
+
+
+def test_a_collection_that_would_start_an_unsynchronized_parameter_training_writes_nothing(
+        one_process_group):
+    """The other model's declaration froze a shared layer before the survivor was wrapped: DDP
+    does not synchronize it, so the survivor's application at the collection is refused (no
+    flag written, no warning from garbage collection) and its next forward raises the DDP
+    refusal, as it did before the collection could apply at once."""
+    shared = nn.Linear(2, 2)
+    a = nn.Sequential(nn.Linear(2, 2), shared)
+    b = nn.Sequential(shared)
+    ts.attach(a)
+    ts.mark_trainable(b)
+    ddp = nn.parallel.DistributedDataParallel(a)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        del b
+        gc.collect()
+    assert flags(a) == [True, True, False, False] and not seen, [str(w.message) for w in seen]
+    with pytest.raises(RuntimeError, match="would start training"):
+        ddp(torch.randn(1, 2))
+    assert flags(a) == [True, True, False, False]
 
 
 def test_an_inner_model_sharing_a_layer_dies_inside_the_outer_context():

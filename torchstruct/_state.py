@@ -159,6 +159,18 @@ class _Lock:
 
     def __enter__(self) -> "_Lock":
         self._lock.acquire()
+        return self._entered()
+
+    def enter_if_free(self) -> bool:
+        """Enter only when no thread holds the lock, this one included (a weakref callback may
+        run inside a locked region of its own thread, whose changes are half made); never
+        waits. Returns whether it entered (then leave with ``__exit__``)."""
+        if getattr(self._held, "depth", 0) or not self._lock.acquire(blocking=False):
+            return False
+        self._entered()
+        return True
+
+    def _entered(self) -> "_Lock":
         held = self._held
         depth = getattr(held, "depth", 0)
         if not depth:

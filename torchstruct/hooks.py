@@ -206,13 +206,14 @@ class State:
         written as attributes, and an error is never raised from here."""
         others = [st for st in list(_state.states.values()) if st is not self and st.root()]
         mine = self.live_members()
-        for st in others:
-            if not st.live_members().isdisjoint(mine):
-                _state.mark_changed(st)
+        sharing = [st for st in others if not st.live_members().isdisjoint(mine)]
+        for st in sharing:
+            _state.mark_changed(st)
         _release_unheld(self.members, {i for st in others for i in st.live_members()},
                         in_callback=True)
         self.members, self.last = {}, {}
         self.uninstall()
+        _apply_now_if_safe(sharing)
 
     def live_members(self) -> set[int]:
         """Ids of the parameters of the last application that torchstruct still follows (a
@@ -393,6 +394,27 @@ def release_kept(entry, in_callback: bool = False) -> None:
             if in_callback else _state.live_states())
     held = {i for st in live for i in st.live_members()}
     _release_unheld(kept, held, in_callback, skip=entry)
+
+
+def _apply_now_if_safe(sharing: list) -> None:
+    """A model was collected: the attached models that shared parameters with it apply at once
+    (its declarations no longer hold their shared parameters), so that flags and reads agree
+    right away. Only where that is safe: no thread holds the lock (a collection may start
+    inside a locked region of this thread, half-way through a change) and no ``torch.func``
+    transform (which refuses flag writes) runs; otherwise their next forward applies, as it
+    would anyway. Runs in a weakref callback: never raises (a failing declaration, or a change
+    a guard refuses, such as a parameter DDP does not synchronize starting to train, changes
+    no flag here and is raised at the next forward)."""
+    if not sharing or _transforming() or not _state.LOCK.enter_if_free():
+        return
+    try:
+        for st in sharing:
+            try:
+                st.apply()  # all or nothing: a refusal raises before any flag is written
+            except Exception:  # noqa: BLE001 - never raise from garbage collection
+                _state.mark_changed(st)  # the next forward applies, and raises there
+    finally:
+        _state.LOCK.__exit__(None, None, None)
 
 
 def _released_when_dead(state: weakref.ref):
