@@ -499,13 +499,12 @@ def test_ddp_a_block_over_every_use_without_find_unused_parameters_is_refused(dd
 
 # ----------------------------------------------------------------------------- FSDP2
 def _fully_shard():
+    """FSDP2's ``fully_shard`` where it runs on CPU tensors over gloo (public from torch 2.6;
+    torch 2.4's private one initializes CUDA even then), else None."""
     try:
         from torch.distributed.fsdp import fully_shard
-    except ImportError:  # torch < 2.6
-        try:
-            from torch.distributed._composable.fsdp import fully_shard
-        except ImportError:
-            return None
+    except ImportError:
+        return None
     return fully_shard
 
 
@@ -668,7 +667,8 @@ def _fsdp_numbers(rank, checks):
 
 
 @needs_gloo
-@pytest.mark.skipif(_fully_shard() is None, reason="FSDP2 (fully_shard) is not available")
+@pytest.mark.skipif(_fully_shard() is None,
+                    reason="FSDP2 on CPU tensors is tested from torch 2.6 on (fully_shard public)")
 def test_fsdp_norms_optimizers_groups_and_state_are_global(ddp_checks):
     _assert_ok(_part(ddp_checks, "fsdp: "), 40)
 
