@@ -361,18 +361,6 @@ def test_a_shared_parameter_trains_only_if_both_models_declarations_admit_it():
     assert flags(a) == flags(b) == [True] * 4
 
 
-def test_reads_agree_with_flags_when_the_model_whose_declaration_froze_a_shared_layer_dies():
-    shared = nn.Linear(2, 2)
-    a = nn.Sequential(nn.Linear(2, 2), shared)
-    b = nn.Sequential(shared)
-    ts.attach(a)
-    ts.mark_trainable(b)  # b trains nothing
-    assert not shared.weight.requires_grad
-    del b
-    gc.collect()
-    assert ts.is_trainable(a, "1.weight") is shared.weight.requires_grad
-
-
 def _a_and_b_that_freezes_their_shared_layer():
     shared = nn.Linear(2, 2)
     a = nn.Sequential(nn.Linear(2, 2), shared)
@@ -381,6 +369,13 @@ def _a_and_b_that_freezes_their_shared_layer():
     ts.mark_trainable(b)  # b trains nothing
     assert flags(a) == reads(a) == [True, True, False, False]
     return shared, a, b
+
+
+def test_reads_agree_with_flags_when_the_model_whose_declaration_froze_a_shared_layer_dies():
+    shared, a, b = _a_and_b_that_freezes_their_shared_layer()
+    del b
+    gc.collect()
+    assert ts.is_trainable(a, "1.weight") is shared.weight.requires_grad
 
 
 def test_the_survivor_applies_at_once_when_the_model_whose_declaration_froze_a_shared_layer_dies():
