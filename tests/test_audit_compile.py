@@ -17,6 +17,7 @@ inductor adds nothing but compile time. Every test starts from ``torch._dynamo.r
 A test marked ``xfail(strict=True)`` reproduces a case that goes wrong today; its reason says
 what happens and what is expected.
 """
+import contextlib
 import copy
 import os
 
@@ -1090,15 +1091,6 @@ def test_blocks_around_a_compiled_model_with_the_same_input_compile_once():
     assert sum(_graphs_per_call(swapped, 5, fresh_tree)[1:]) == 0
 
 
-@pytest.mark.xfail(not MODES_MISTRACED, strict=True, reason=(
-    "a compiled model called inside a stop_gradient or swap block recompiles for every new "
-    "input tensor: the block's lookup `table.get(id(v))` (torchstruct/blocks.py, _replaced) "
-    "makes dynamo guard on the identity of the batch (___check_obj_id(x, ...)), so a training "
-    "loop with a fresh batch per step compiles one graph per step until recompile_limit (8); "
-    "with fullgraph=True the 9th step then crashes with FailOnRecompileLimitHit ('Hard "
-    "failure due to fullgraph=True'). docs/stop_gradient.md promises the block's results for "
-    "a compiled model, fullgraph=True included. Expected: one graph for the block, reused for "
-    "every batch of the same shape"))
 @pytest.mark.parametrize("block,fullgraph", [("stop_gradient", True), ("swap", False)])
 def test_a_compiled_model_inside_a_block_with_a_fresh_batch_each_step(block, fullgraph):
     m, ref = _small(), _small()
@@ -1121,15 +1113,6 @@ def test_a_compiled_model_inside_a_block_with_a_fresh_batch_each_step(block, ful
     assert sum(per_call[2:]) == 0, per_call
 
 
-@pytest.mark.xfail(not MODES_MISTRACED, strict=True, reason=(
-    "a stop_gradient / swap block entered inside a compiled function recompiles on every call "
-    "that brings new tensors (a fresh batch): dynamo compiles the model's forward run inside "
-    "the block and the block's __torch_function__ (torchstruct/blocks.py) as frames of their "
-    "own, guarded on the identity of their tensor arguments ('Cache line invalidated because "
-    "L['x'] / L['args'][0] got deallocated'; the block looks tensors up by id), so each step "
-    "compiles 2 new graphs until dynamo's recompile_limit (8) is hit and warns, after which "
-    "those frames run eagerly. Expected: a bounded number of graphs that does not grow with "
-    "the steps (as torch.func.functional_call compiled in the same function: one graph)"))
 @pytest.mark.parametrize("block", ["stop_gradient", "swap"])
 def test_a_block_inside_a_compiled_function_does_not_recompile_every_step(block):
     m = _small()
@@ -1185,3 +1168,79 @@ def test_tiny_gpt2_compiled_with_freeze_except_and_a_stop_gradient_block():
         want = torch.autograd.grad(loss_of(ref, **{k: v.detach() for k, v in over.items()}),
                                    [rp[n] for n in names])
         assert_grads(m, dict(zip(names, want)))
+
+
+# ----------------------------------------- the blocks' handlers are never frames of their own
+@pytest.mark.parametrize("block", ["stop_gradient", "swap", "constant"])
+def test_a_block_entered_inside_a_compiled_function_computes_each_operation(block):
+    """A compiled function that enters a block falls back to eager around it, and dynamo then
+    compiles what runs inside on its own. A torch function mode's handler compiled as a frame
+    of its own is guarded on its tensors but not on the operation (torch 2.13 seen): the
+    second and third unary operation on the same tensor reused the first one's graph
+    (``x.sigmoid()`` and ``x.exp()`` returned ``x.tanh()``). Every value and gradient must be
+    the eager one."""
+    m = _small()
+    tree = {k: v.detach() + 0.1 for k, v in m.named_parameters()}
+    enter = {"stop_gradient": lambda: ts.stop_gradient(m, "enc"),
+             "swap": lambda: ts.swap(m, tree),
+             "constant": lambda: ts.constant(m)}[block]
+
+    def f(x):
+        with enter():
+            outs = [x.tanh(), x.sigmoid(), x.exp(), torch.cos(x), x * 3, m(x), m(x.sin())]
+        return outs + [sum(o.sum() for o in outs)]
+
+    x = torch.randn(4, 3, requires_grad=True)
+    want = f(x)
+    want_grads = torch.autograd.grad(want[-1], [x, *m.parameters()], allow_unused=True)
+    got = torch.compile(f, backend="aot_eager")(x)
+    got_grads = torch.autograd.grad(got[-1], [x, *m.parameters()], allow_unused=True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        torch.testing.assert_close(a, b, msg=f"output {i}")
+    for i, (a, b) in enumerate(zip(got_grads, want_grads)):
+        assert (a is None) == (b is None), i
+        if a is not None:
+            torch.testing.assert_close(a, b, msg=f"gradient {i}")
+
+
+def test_only_inlined_falls_back_to_leaving_the_function_out_of_compiled_code(monkeypatch):
+    from torch._dynamo import eval_frame
+
+    from torchstruct import _compile_caveats
+
+    def fn(x):
+        return x + 1
+
+    monkeypatch.delattr(eval_frame, "set_code_exec_strategy", raising=False)
+    out = _compile_caveats.only_inlined(fn)
+    assert out is not fn and getattr(out, "_torchdynamo_disable", False)
+    assert torch.equal(out(torch.ones(2)), torch.full((2,), 2.0))
+
+
+@pytest.mark.skipif(MODES_MISTRACED, reason="dynamo traces the blocks' mode from torch 2.13")
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_one_compiled_model_in_blocks_that_replace_different_parameters(fullgraph):
+    """The graph traced inside one block is not reused inside another that replaces other
+    parameters, or the same ones by other tensors: each call's output and gradients are the
+    eager ones, with a fresh batch at each call."""
+    m = _small()
+    cm = torch.compile(m, backend="aot_eager", fullgraph=fullgraph)
+    t1 = {k: v.detach() + 0.1 for k, v in m.named_parameters() if k.startswith("enc")}
+    t2 = {"head.weight": m.head.weight.detach() * 2}
+    blocks = [lambda: ts.stop_gradient(m, "enc"), lambda: ts.stop_gradient(m, "head"),
+              lambda: ts.stop_gradient(m, "enc", "ln"), lambda: ts.swap(m, t1),
+              lambda: ts.swap(m, t2), contextlib.nullcontext] * 2
+    params = list(m.parameters())
+    for i, enter in enumerate(blocks):
+        x = torch.randn(5, 3, generator=torch.Generator().manual_seed(i))
+        with enter():
+            want = m(x).sum()
+        want_grads = torch.autograd.grad(want, params, allow_unused=True)
+        with enter():
+            got = cm(x).sum()
+        got_grads = torch.autograd.grad(got, params, allow_unused=True)
+        torch.testing.assert_close(got, want, msg=f"call {i}")
+        for j, (a, b) in enumerate(zip(got_grads, want_grads)):
+            assert (a is None) == (b is None), (i, j)
+            if a is not None:
+                torch.testing.assert_close(a, b, msg=f"call {i}, gradient {j}")

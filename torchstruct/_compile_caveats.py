@@ -1,4 +1,5 @@
-"""What ``torch.compile`` before torch 2.12 gets wrong that torchstruct cannot mend, said once.
+"""What ``torch.compile`` gets wrong around torchstruct: worked around where it can be, said once
+where not.
 
 - Its guards do not check the ``requires_grad`` of a module's parameters
   (pytorch/pytorch#139476, fixed in torch 2.12): a graph compiled for one trainable set keeps
@@ -14,6 +15,13 @@
   passing its operations through it, and an inductor kernel writes a parameter without
   bumping its version counter: ``ts.constant`` does not see such a write. 2.11.0 and later
   leave compiled code out while a dispatch mode is active.
+- Dynamo (2.13 seen) compiles a torch function mode's handler as a frame of its own where the
+  code calling the operation runs eagerly (a compiled function that enters a ``stop_gradient``
+  block falls back to eager around it), and guards that frame on the handler's tensors but not
+  on ``func``, the operation: the next operation on tensors of the same kind reuses the
+  graph (``x.sigmoid()`` returned ``x.tanh()``). The blocks' handler is therefore never
+  compiled as a frame of its own (:func:`only_inlined`); dynamo still traces it where it
+  inlines it into a compiled forward.
 
 :func:`warn_once` is called where torchstruct changes a flag and where ``ts.constant`` is
 entered: on such a torch, in a process that has compiled a graph, it warns once.
@@ -26,7 +34,7 @@ import warnings
 
 import torch
 
-__all__ = ["STALE", "MODES_MISTRACED", "warn_once"]
+__all__ = ["STALE", "MODES_MISTRACED", "only_inlined", "warn_once"]
 
 _VERSION = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
 STALE = _VERSION < (2, 12)
@@ -37,6 +45,22 @@ _warned = False
 def _compiled_something() -> bool:
     utils = sys.modules.get("torch._dynamo.utils")
     return utils is not None and bool(utils.counters["stats"]["unique_graphs"])
+
+
+def only_inlined(fn):
+    """``fn`` (a function) is never compiled by dynamo as a frame of its own: called from code
+    that runs eagerly, it runs eagerly, and so does everything it calls; traced where dynamo
+    inlines it into a compiled caller. Where this torch offers no way to say so, ``fn`` is
+    left out of compiled code altogether (``torch.compiler.disable``): correct, with a graph
+    break where it is called. Returns the function to use."""
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    action = getattr(eval_frame, "FrameAction", None)
+    strategy = getattr(eval_frame, "FrameExecStrategy", None)
+    setter = getattr(eval_frame, "set_code_exec_strategy", None)
+    if action is None or strategy is None or setter is None:
+        return torch.compiler.disable(fn)
+    setter(fn.__code__, strategy(action.SKIP, action.SKIP))
+    return fn
 
 
 def warn_once() -> None:

@@ -93,6 +93,11 @@ class _Substitute(TorchFunctionMode):
                  own: frozenset[str] = frozenset(), kind: str = "block") -> None:
         super().__init__()
         self.table = table
+        # the classes of the replaced tensors (Parameter; plain tensors inside functional_call):
+        # a tensor of another class is not looked up, its id is never read, so compiled code
+        # inside the block guards on the class of a batch, not on its identity (a fresh batch
+        # per step would otherwise compile a graph per step)
+        self.kinds = frozenset(type(hit[0]) for hit in table.values())
         # what acts on the parameter itself: attribute writes, the methods in _ON_PARAMETER,
         # the reads in ``own``
         self.own = frozenset({"__set__", "__delete__"}) | _ON_PARAMETER | own
@@ -121,7 +126,7 @@ class _Substitute(TorchFunctionMode):
         table, out = self.table, None
         for i, v in enumerate(values):
             if isinstance(v, Tensor):
-                hit = table.get(id(v))
+                hit = table.get(id(v)) if type(v) in self.kinds else None
                 if hit is not None and hit[0] is v:
                     new = hit[1](v)
                 elif self.wrapped and _functorch.is_functorch_wrapped_tensor(v):
@@ -173,6 +178,8 @@ class _Substitute(TorchFunctionMode):
 
     if _compile_caveats.MODES_MISTRACED:  # compiled code runs the handler eagerly
         __torch_function__ = torch.compiler.disable(__torch_function__)
+    else:  # traced inlined only: a frame of its own is not guarded on func
+        __torch_function__ = _compile_caveats.only_inlined(__torch_function__)
 
     def _cut_custom_functions(self) -> None:
         """A parameter handed directly to a custom ``torch.autograd.Function`` running now:
@@ -585,6 +592,8 @@ class _RefuseRebind(TorchFunctionMode):
                     "a ts.constant block"
                 )
         return func(*args, **(kwargs or {}))
+
+    __torch_function__ = _compile_caveats.only_inlined(__torch_function__)
 
 
 def _swapped_in(args, frame):

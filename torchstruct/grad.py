@@ -52,6 +52,7 @@ from . import _dtensor, _state
 from . import tree as _tree
 from ._checks import check_bool, refuse_no_grad_dtype
 from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, records_nothing
+from ._compile_caveats import only_inlined
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
 from .hooks import apply_pending
@@ -570,6 +571,8 @@ class _Uses(TorchFunctionMode):
             for w in self.watches:
                 w.used((args, kwargs))
         return out
+
+    __torch_function__ = only_inlined(__torch_function__)
 
 
 _NESTED = threading.local()  # depth of reentrant checkpoint forwards running in this thread
