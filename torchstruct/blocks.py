@@ -264,8 +264,9 @@ _DYNAMO = os.path.dirname(torch._dynamo.__file__) + os.sep
 
 
 def _caller(frame):
-    """``frame``, or the first frame out of it that is not dynamo's (the wrapper of the
-    handler under ``torch.compiler.disable``, before torch 2.13)."""
+    """``frame``, or the first frame out of it that is not dynamo's (the wrapper of a handler
+    under ``torch.compiler.disable``: before torch 2.13, or where ``only_inlined`` has no
+    other way)."""
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_DYNAMO):
         frame = frame.f_back
     return frame
@@ -585,7 +586,7 @@ class _RefuseRebind(TorchFunctionMode):
             name += getattr(getattr(func, "__self__", None), "__name__", "")
         hit = self.params.get(id(args[0])) if args and name in _REBINDS else None
         if hit is not None and hit[0] is args[0]:
-            new, how = _REBINDS[name](args, sys._getframe(1))
+            new, how = _REBINDS[name](args, _caller(sys._getframe(1)))
             if how is not None and not _same_data(args[0], new):
                 raise RuntimeError(
                     f"constant: {how} would replace the values of parameter {hit[1]!r} inside "
