@@ -467,18 +467,40 @@ def test_ddp_wrappers_rebuilt_each_epoch_hold_only_the_newest(one_process_group)
         gc.collect()
         mine = [h for h in distributed._wrapped.values() if any(h[2] is p for p in m.parameters())]
         assert len(mine) == 4 and all(h[0]() is ddp for h in mine) and no_weakrefs(m)
-        assert [r() for r, pairs in distributed._synchronized.items()
-                if any(q is p for _, q in pairs for p in m.parameters())] == [ddp]
+        assert [r() for r, a in distributed._agreements.items()
+                if any(q is p for _, q in a.pairs for p in m.parameters())] == [ddp]
     with pytest.raises(RuntimeError, match="find_unused_parameters"):
         ts.freeze(m, "0")
     assert all(flags(m))
     del ddp
     gc.collect()
     assert all(h[2] is not p for h in distributed._wrapped.values() for p in m.parameters())
-    assert all(q is not p for pairs in distributed._synchronized.values() for _, q in pairs
+    assert all(q is not p for a in distributed._agreements.values() for _, q in a.pairs
                for p in m.parameters())
     ts.freeze(m, "0")
     assert flags(m) == [False, False, True, True] == reads(m)
+
+
+def test_ddp_wrappers_with_find_unused_parameters_rebuilt_leave_one_hook_per_parameter(
+        one_process_group):
+    """The check that the ranks agree on what trains hooks each synchronized parameter once
+    per wrapper; a collected wrapper's hooks go with it."""
+    from torchstruct import distributed
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+
+    def hooks():
+        return [len(p._post_accumulate_grad_hooks or {}) for p in m.parameters()]
+
+    for _ in range(4):
+        ddp = nn.parallel.DistributedDataParallel(m, find_unused_parameters=True)
+        for _ in range(2):
+            ddp(torch.randn(2, 3)).sum().backward()
+        gc.collect()
+        assert hooks() == [1, 1, 1, 1]
+    del ddp
+    gc.collect()
+    assert hooks() == [0, 0, 0, 0] and not [
+        a for a in distributed._agreements.values() if any(q is m[0].weight for _, q in a.pairs)]
 
 
 def test_a_collection_that_would_start_an_unsynchronized_parameter_training_writes_nothing(

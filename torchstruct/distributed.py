@@ -62,14 +62,15 @@ __all__: list[str] = []
 # never by a weak reference (torch.utils.swap_tensors refuses a tensor that has one); the
 # wrapper's entries go when it is collected.
 _wrapped: dict[int, tuple[weakref.ref, bool, object]] = {}
-# weakref to a DDP wrapper -> the (path, parameter) pairs it synchronizes, in its module's order
-# when it was built: the same on every rank, whatever a rank's module tree became since
-_synchronized: dict[weakref.ref, list] = {}
+# weakref to a DDP wrapper -> its check that the ranks train the same parameters
+_agreements: dict[weakref.ref, "_Agreement"] = {}
 
 
 def _forget_wrapper(ref: weakref.ref) -> None:
     """A DDP wrapper was collected: forget its parameters (runs as a weakref callback)."""
-    _synchronized.pop(ref, None)
+    agreement = _agreements.pop(ref, None)
+    if agreement is not None:
+        agreement.release()
     for key, hit in _snapshot(_wrapped):
         if hit[0] is ref:
             _wrapped.pop(key, None)
@@ -87,7 +88,7 @@ def _on_module_registered(module: nn.Module, name: str, inner) -> None:
             _wrapped[id(p)] = (ref, p.requires_grad, p)
             if p.requires_grad:
                 synchronized.append((path, p))
-        _synchronized[ref] = synchronized
+        _agreements[ref] = _Agreement(ref, synchronized)
         module.register_forward_pre_hook(_before_forward)
         module.register_forward_hook(_after_forward, always_call=True)
 
@@ -112,8 +113,9 @@ def _after_forward(ddp: DistributedDataParallel, _args, out) -> None:
     none of that bucket, leave this step's gradients local, and fail only at the next step.
     Where a synchronized parameter may stop training, its backward checks that the ranks agree
     on what trains."""
-    if out is not None and _lets_training_stop(ddp):
-        _agree_on_flags_after_backward(ddp, out)
+    agreement = _agreements.get(weakref.ref(ddp))
+    if agreement is not None:
+        agreement.arm(out is not None and _lets_training_stop(ddp))
     before = ddp.__dict__.pop("_torchstruct_blocks", None)
     if before is None or out is None:
         return
@@ -146,40 +148,67 @@ def _lets_training_stop(ddp: DistributedDataParallel) -> bool:
             and not torch.compiler.is_compiling() and not getattr(join, "enable", False))
 
 
-def _agree_on_flags_after_backward(ddp: DistributedDataParallel, out) -> None:
-    """Check, at the end of the backward through ``out`` (after DDP's reducer has finished),
-    that every rank trains the same synchronized parameters.
+class _Agreement:
+    """One DDP wrapper's check, at the end of each backward that DDP reduces, that every rank
+    trains the same synchronized parameters.
 
     A parameter frozen on some ranks only is, to DDP with ``find_unused_parameters=True``, a
     parameter those ranks did not use: its averaged gradient reaches every rank, but an
     optimizer that skips frozen parameters (``ts.optim``) moves it on the other ranks only, and
     the ranks' weights drift apart without an error. The check is one all-reduce of a flag per
-    synchronized parameter, made by every rank in the same backward DDP reduces in, so a
-    disagreement is an error on every rank, never a hang."""
-    nodes = {t.grad_fn for t in _find_tensors(out) if t.grad_fn is not None}
-    if not nodes:
-        return
-    ref, queued = weakref.ref(ddp), []
-    engine = torch.autograd.Variable._execution_engine
+    synchronized parameter, made by every rank in the backward DDP reduces in, so a
+    disagreement is an error on every rank, never a hang.
 
-    def after_reducer():  # DDP's reducer queued its own callback during the backward
-        queued.clear()
-        ddp = ref()
-        if ddp is not None:
-            _agree_on_flags(ddp)
+    What starts the check is what starts DDP's own reduction: a forward that prepares one
+    (:meth:`arm`), then the first gradient accumulated into a synchronized parameter in a
+    backward (DDP's hooks sit on the same accumulation). A backward that accumulates nothing
+    there (``torch.autograd.grad`` with respect to an input) reduces nothing and checks
+    nothing; one that does, through the forward's output or not (a zero loss over the
+    parameters on a rank without data), checks once, after DDP's reducer has finished.
 
-    def at_first_node(*_):
-        if not queued:  # once per backward, whichever output it starts from
-            queued.append(True)
-            engine.queue_callback(lambda: engine.queue_callback(after_reducer))
+    Holds the ``(path, parameter)`` pairs the wrapper synchronizes, in its module's order when
+    it was built (the same on every rank, whatever a rank's tree became since), and one hook
+    on each that has required grad at a reducing forward, until the wrapper is collected."""
 
-    for node in nodes:
-        node.register_prehook(at_first_node)
+    __slots__ = ("pairs", "handles", "armed", "hook")
+
+    def __init__(self, ref: weakref.ref, pairs: list) -> None:
+        self.pairs, self.handles, self.armed = pairs, {}, False
+        engine = torch.autograd.Variable._execution_engine
+
+        def after_reducer():  # DDP's reducer queued its own callback during the backward
+            ddp = ref()
+            if ddp is not None:
+                _agree_on_flags(ddp)
+
+        def hook(_p) -> None:
+            if self.armed:  # once per reducing forward
+                self.armed = False
+                engine.queue_callback(lambda: engine.queue_callback(after_reducer))
+
+        self.hook = hook
+
+    def arm(self, reducing: bool) -> None:
+        """A forward of the wrapper: the check runs in the next backward when it prepared a
+        reduction (``reducing``), not otherwise."""
+        self.armed = reducing
+        if reducing:
+            for _, p in self.pairs:
+                if p.requires_grad and id(p) not in self.handles:
+                    self.handles[id(p)] = p.register_post_accumulate_grad_hook(self.hook)
+
+    def release(self) -> None:
+        """The wrapper is gone: its hooks go too (runs in a weakref callback)."""
+        self.armed = False
+        handles, self.handles = self.handles, {}
+        for h in handles.values():
+            h.remove()
 
 
 def _agree_on_flags(ddp: DistributedDataParallel) -> None:
     """Raise on every rank if the ranks train different synchronized parameters."""
-    synchronized = _synchronized.get(weakref.ref(ddp), [])
+    agreement = _agreements.get(weakref.ref(ddp))
+    synchronized = agreement.pairs if agreement is not None else []
     n = len(synchronized)
     trains = torch.tensor([p.requires_grad for _, p in synchronized], dtype=torch.int32)
     both = torch.cat([trains, -trains]).to(_device(ddp))
