@@ -130,3 +130,39 @@ def half(t, rank: int):
     """Rank ``rank``'s share of a full batch."""
     n = BATCH // WORLD
     return t[rank * n:(rank + 1) * n]
+
+
+# ----------------------------------------------------------------------------- checks across ranks
+def every_rank(ok: bool, group=None) -> bool:
+    """Whether ``ok`` holds on every rank (a collective)."""
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if ok else 0.0])
+    dist.all_reduce(t, group=group)
+    return t.item() == dist.get_world_size(group)
+
+
+def same_on_all_ranks(tensors, group=None) -> bool:
+    """Whether ``tensors`` (a list) are bitwise the same on every rank (a collective); False
+    for an empty list."""
+    import torch.distributed as dist
+
+    t = torch.cat([x.detach().reshape(-1).double() for x in tensors] or [torch.zeros(0)])
+    every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, t, group=group)
+    return t.numel() > 0 and all(torch.equal(every[0], o) for o in every[1:])
+
+
+def raises_on_every_rank(checks, label, step, words=()):
+    """``step()`` must raise a ``RuntimeError`` on every rank whose message names ``words``;
+    returns the message (None when it did not raise)."""
+    message = None
+    try:
+        step()
+    except RuntimeError as e:
+        message = str(e)
+    check(checks, f"{label}: an error on every rank", every_rank(message is not None),
+          str(message))
+    check(checks, f"{label}: the message names the parameters",
+          message is not None and all(w in message for w in words), str(message))
+    return message

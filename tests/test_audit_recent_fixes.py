@@ -36,30 +36,16 @@ import torchstruct as ts
 from _flags import flags, reads
 from _spawn import check as _check
 from _spawn import failed as _failed
+from _spawn import every_rank as _every_rank
 from _spawn import gloo_available
+from _spawn import raises_on_every_rank as _raises_on_every_rank
+from _spawn import same_on_all_ranks as _same_on_all_ranks
 
 DDP_ONLY = pytest.mark.skipif(not gloo_available(), reason="gloo is not available")
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
 # ============================================================================ 1. DDP agreement
-def _every_rank(ok: bool, group=None) -> bool:
-    import torch.distributed as dist
-
-    t = torch.tensor([1.0 if ok else 0.0])
-    dist.all_reduce(t, group=group)
-    return t.item() == dist.get_world_size()
-
-
-def _same_on_all_ranks(tensors, group=None) -> bool:
-    import torch.distributed as dist
-
-    t = torch.cat([x.detach().reshape(-1).double() for x in tensors] or [torch.zeros(0)])
-    every = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, t, group=group)
-    return t.numel() > 0 and all(torch.equal(every[0], o) for o in every[1:])
-
-
 @dataclasses.dataclass
 class _Out:
     logits: torch.Tensor
@@ -99,19 +85,6 @@ class _Tied(nn.Module):
         return self.out(self.mid(self.emb(ids)).tanh())
 
 
-def _raises_everywhere(checks, label, step, words=()):
-    """``step()`` must raise a RuntimeError on every rank whose message names ``words``."""
-    message = None
-    try:
-        step()
-    except RuntimeError as e:
-        message = str(e)
-    _check(checks, f"{label}: an error on every rank", _every_rank(message is not None),
-           str(message))
-    _check(checks, f"{label}: the message names the parameters",
-           message is not None and all(w in message for w in words), str(message))
-
-
 def _no_error(checks, label, step):
     error = None
     try:
@@ -137,7 +110,7 @@ def ddp_scenario(rank, checks):
         if rank == 1:
             ts.freeze(m, "body")
         before = [p.detach().clone() for p in m.parameters()]
-        _raises_everywhere(checks, f"{kind} output, one loss term",
+        _raises_on_every_rank(checks, f"{kind} output, one loss term",
                            lambda: (logits(ddp(x)) - y).square().mean().backward(),
                            ["'body.weight'", "'body.bias'"])
         _check(checks, f"{kind} output, one loss term: parameters unchanged",
@@ -179,7 +152,7 @@ def ddp_scenario(rank, checks):
     if rank == 0:
         sched.step()  # rank 0 runs ahead: "body" trains there only
     before = [p.detach().clone() for p in m.parameters()]
-    _raises_everywhere(checks, "a schedule one stage ahead on one rank", step,
+    _raises_on_every_rank(checks, "a schedule one stage ahead on one rank", step,
                        ["'body.weight'"])
     _check(checks, "a schedule one stage ahead on one rank: parameters unchanged",
            all(torch.equal(a, b) for a, b in zip(before, m.parameters())))
@@ -194,7 +167,7 @@ def ddp_scenario(rank, checks):
     ddp = DDP(m, find_unused_parameters=True)
     if rank == 1:
         ts.mark_trainable(m, "head", "aux")
-    _raises_everywhere(checks, "a declaration on one rank",
+    _raises_on_every_rank(checks, "a declaration on one rank",
                        lambda: (ddp(x)["logits"] - y).square().mean().backward(),
                        ["'body.weight'"])
 
@@ -204,7 +177,7 @@ def ddp_scenario(rank, checks):
     ids = torch.randint(0, 6, (5,), generator=g)
     if rank == 0:
         ts.freeze(m, "emb")
-    _raises_everywhere(checks, "a tied weight frozen on one rank",
+    _raises_on_every_rank(checks, "a tied weight frozen on one rank",
                        lambda: ddp(ids).square().mean().backward(), ["'emb.weight'"])
 
     # a GradScaler-scaled backward: the same check
@@ -213,7 +186,7 @@ def ddp_scenario(rank, checks):
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     if rank == 0:
         ts.freeze(m, "head")
-    _raises_everywhere(checks, "a scaled backward",
+    _raises_on_every_rank(checks, "a scaled backward",
                        lambda: scaler.scale((ddp(x)["logits"] - y).square().mean()).backward(),
                        ["'head.weight'"])
 

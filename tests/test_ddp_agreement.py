@@ -21,7 +21,10 @@ from _spawn import check as _check
 from _spawn import close as _close
 from _spawn import failed as _failed
 from _spawn import gloo_available, run
+from _spawn import every_rank as _every_rank
 from _spawn import half as _half
+from _spawn import raises_on_every_rank as _raises_on_every_rank
+from _spawn import same_on_all_ranks as _same_on_all_ranks
 from _spawn import small_model as _model
 
 pytestmark = pytest.mark.skipif(not gloo_available(), reason="gloo is not available")
@@ -39,40 +42,17 @@ def _values(m):
     return [p.detach().clone() for p in m.parameters()]
 
 
-def _same_on_all_ranks(tensors) -> bool:
-    import torch.distributed as dist
-
-    t = torch.cat([x.detach().reshape(-1).double() for x in tensors])
-    every = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, t)
-    return all(torch.equal(every[0], o) for o in every[1:])
-
-
-def _every_rank(ok: bool) -> bool:
-    """Whether ``ok`` holds on every rank."""
-    import torch.distributed as dist
-
-    t = torch.tensor([1.0 if ok else 0.0])
-    dist.all_reduce(t)
-    return t.item() == dist.get_world_size()
-
-
 def _step_raises(checks, label, m, ddp, opt, x, y, words):
     """One training step whose backward must raise on every rank, naming ``words``, and
     change no flag, no parameter and no optimizer state; its gradients are in ``.grad``."""
     flags, values = _flags(m), _values(m)
     state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
              for p, s in opt.state.items()}
-    message = None
-    try:
+    def step():
         _mse(ddp(x), y).backward()
         opt.step()
-    except RuntimeError as e:
-        message = str(e)
-    _check(checks, f"{label}: an error on every rank", _every_rank(message is not None),
-           str(message))
-    _check(checks, f"{label}: the message names the parameters",
-           message is not None and all(w in message for w in words), str(message))
+
+    _raises_on_every_rank(checks, label, step, words)
     _check(checks, f"{label}: flags unchanged", _flags(m) == flags, f"{flags} -> {_flags(m)}")
     _check(checks, f"{label}: parameters bitwise unchanged",
            all(torch.equal(a, b) for a, b in zip(values, _values(m))))
