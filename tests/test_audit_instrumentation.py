@@ -1019,12 +1019,6 @@ class _Summed(nn.Module):
         return nn.functional.linear(x, self.base + self.delta)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structural_grad returns autograd's raw outputs: for weight = base + delta both leaves are "
-    "the SAME tensor object, and trees count a tensor held at several paths once (the tied-"
-    "parameter rule), so ts.global_norm(tree) is sqrt(1/2) of the true norm, "
-    "clip_by_global_norm(tree) clips with that wrong norm and tree.flatten drops half the "
-    "elements; expected: one tensor per parameter, as .grad after backward() gives"))
 def test_structural_grad_leaves_of_distinct_parameters_are_distinct_tensors():
     m = _Summed()
     x = torch.randn(4, 3)
@@ -1044,11 +1038,6 @@ def test_structural_grad_leaves_of_distinct_parameters_are_distinct_tensors():
         torch.cat([t.flatten() for t in ts.tree.leaves(tree)]).norm(), torch.tensor(0.1))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "structural_grad returns autograd's raw output for a parameter used through a plain "
-    "sum (a zero-stride expanded tensor), and clip_by_global_norm on the tree then raises "
-    "'has elements that share memory'; expected: the tree clips in place like the .grad "
-    "tensors after backward(), which AccumulateGrad makes writable"))
 def test_clip_a_structural_grad_tree_whose_leaf_autograd_expanded():
     class Offset(nn.Module):
         def __init__(self):

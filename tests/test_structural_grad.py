@@ -466,3 +466,76 @@ def test_the_watch_hook_of_callable_losses_is_one_entry_and_gone_after_threads_a
     assert not errors, errors
     assert len(keys) == 1
     assert not any(h is _watch for h in module_mod._global_forward_pre_hooks.values())
+
+
+# ------------------------------------------------------------ leaves own their memory
+class _Parts(nn.Module):
+    """Two parameters combined into one weight, in the ways autograd hands back shared
+    gradient memory: one tensor for both sides of a sum, views of one tensor, a cat."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.base = nn.Parameter(torch.randn(2, 3))
+        self.delta = nn.Parameter(torch.randn(2, 3))
+        self.offset = nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, x):
+        if self.how == "sum":
+            w = self.base + self.delta
+        elif self.how == "views":
+            w = (self.base.view(6) + self.delta.view(6)).view(2, 3)
+        else:  # cat: narrow views of one gradient, side by side
+            w = torch.cat([self.base, self.delta])[:2] + torch.cat([self.base, self.delta])[2:]
+        return nn.functional.linear(x, w) + self.offset  # offset's gradient: expanded as is
+
+
+def _memory_of(t):
+    return t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()
+
+
+@pytest.mark.parametrize("how", ["sum", "views", "cat"])
+def test_leaves_never_share_memory_and_norms_and_clips_equal_backward(how):
+    torch.manual_seed(0)
+    m = _Parts(how)
+    x = torch.randn(4, 3)
+    tree = ts.structural_grad(m, lambda mm: mm(x).sum())
+    leaves = ts.tree.leaves(tree)
+    for i, a in enumerate(leaves):
+        assert torch._debug_has_internal_overlap(a) == 0
+        for b in leaves[i + 1:]:
+            assert a is not b
+            if a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr():
+                lo_a, lo_b = a.storage_offset(), b.storage_offset()
+                assert lo_a + a.numel() <= lo_b or lo_b + b.numel() <= lo_a  # side by side
+    # by hand: each gradient copied (backward() itself may leave two .grad fields sharing
+    # memory here, which clip_grad_norm_ would then scale twice)
+    ref = [g.clone() for g in torch.autograd.grad(m(x).sum(), list(m.parameters()))]
+    norm = torch.cat([g.flatten() for g in ref]).norm()
+    torch.testing.assert_close(ts.global_norm(tree), norm)
+    torch.testing.assert_close(ts.clip_by_global_norm(tree, 0.1), norm)
+    coef = 0.1 / (norm + 1e-6)
+    for (path, _), g in zip(m.named_parameters(), ref):
+        torch.testing.assert_close(ts.tree.to_flat_dict(tree)[path], g * coef)
+
+
+def test_copied_leaves_stay_differentiable_with_create_graph():
+    torch.manual_seed(0)
+    m = _Parts("sum")
+    x = torch.randn(4, 3)
+    tree = ts.structural_grad(m, lambda mm: mm(x).pow(2).sum(), create_graph=True)
+    assert tree["base"] is not tree["delta"]
+    penalty = sum(g.pow(2).sum() for g in ts.tree.leaves(tree))
+    got = torch.autograd.grad(penalty, [m.base, m.delta])
+    g = torch.autograd.grad(m(x).pow(2).sum(), [m.base, m.delta, m.offset], create_graph=True)
+    want = torch.autograd.grad(sum(t.pow(2).sum() for t in g), [m.base, m.delta])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_value_and_grad_leaves_are_distinct_too():
+    m = _Parts("sum")
+    _, tree = ts.value_and_grad(lambda mm, x: mm(x).sum(), m, torch.randn(4, 3))
+    assert tree["base"] is not tree["delta"]
+    tree["base"].zero_()
+    assert tree["delta"].abs().sum() > 0

@@ -53,6 +53,7 @@ from . import tree as _tree
 from ._checks import check_bool, refuse_no_grad_dtype
 from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, records_nothing
 from ._compile_caveats import only_inlined
+from ._reference import _place
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
 from .hooks import apply_pending
@@ -203,8 +204,10 @@ def structural_grad(
     Returns:
         A tree with one leaf per asked parameter (a tied parameter once, at its first path, with
         the total gradient over all its uses). A parameter the loss does not reach gets
-        ``torch.zeros_like(param)`` when the loss reaches another asked parameter. No ``.grad``
-        field is left changed. Under DDP: the gradients averaged over the ranks.
+        ``torch.zeros_like(param)`` when the loss reaches another asked parameter. Each leaf
+        owns its memory, as ``.grad`` after ``backward()`` does (copied where autograd hands
+        back one tensor for several parameters, or an expanded one), so the tree can be
+        clipped and updated in place. No ``.grad`` field is left changed. Under DDP: the gradients averaged over the ranks.
 
     Raises:
         TypeError: ``model`` is not a module, or ``loss`` is neither tensor nor callable, or the
@@ -329,7 +332,35 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
         grads = [None] * len(asked)
         for i, g in zip(reached, found):
             grads[i] = g
-    return [torch.zeros_like(p) if g is None else g for (_, p), g in zip(asked, grads)]
+    return _owning([torch.zeros_like(p) if g is None else g for (_, p), g in zip(asked, grads)])
+
+
+def _owning(grads: list) -> list:
+    """``grads``, each leaf owning its memory as ``.grad`` does after ``backward()``: a leaf
+    whose bytes overlap another's (autograd hands ``w = base + delta`` one tensor for both
+    parameters) or whose elements share memory (the zero-stride gradient of a parameter summed
+    as it is) is copied. Trees count a tensor held at several paths once, and clip and update
+    their leaves in place: an alias would be counted once, or written twice."""
+    out = list(grads)
+    spans = []
+    for i, g in enumerate(out):
+        if g.layout != torch.strided:  # sparse: its own index and value tensors
+            continue
+        if g.numel() > 1 and not g.is_contiguous() and torch._debug_has_internal_overlap(g) != 0:
+            out[i] = g.clone(memory_format=torch.preserve_format)
+        elif g.numel() > 0:
+            try:
+                spans.append((_place(g), i))
+            except (RuntimeError, NotImplementedError):  # no storage (a wrapper subclass)
+                pass
+    spans.sort(key=lambda hit: (str(hit[0][0]), hit[0][1]))
+    memory, end = None, 0
+    for (where, start, stop), i in spans:  # by memory, then start: one sweep
+        if where == memory and start < end:
+            out[i] = out[i].clone(memory_format=torch.preserve_format)
+        else:
+            memory, end = where, stop
+    return out
 
 
 def _leaves(nodes: set) -> list:
