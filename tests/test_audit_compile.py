@@ -28,7 +28,7 @@ from torch._dynamo.utils import counters
 from torch.autograd import forward_ad as fwad
 
 import torchstruct as ts
-from _flags import STALE_GRAPHS
+from _flags import FULLGRAPH_HOLD, STALE_GRAPHS
 from torchstruct._compile_caveats import MODES_MISTRACED
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -306,8 +306,9 @@ class BNNet(nn.Module):
         return self.b(self.bn(self.a(x)))
 
 
-@pytest.mark.parametrize("how", ["wrapper-fullgraph-inductor", "in_place-fullgraph-aot_eager",
-                                 "step-aot_eager"])
+@pytest.mark.parametrize("how", [
+    pytest.param("wrapper-fullgraph-inductor", marks=FULLGRAPH_HOLD),
+    pytest.param("in_place-fullgraph-aot_eager", marks=FULLGRAPH_HOLD), "step-aot_eager"])
 @STALE_GRAPHS
 def test_frozen_batchnorm_statistics_under_compile_match_an_eval_mode_twin(how):
     """While a context freezes the BatchNorm's parameters its statistics hold (as a plain twin
@@ -359,7 +360,7 @@ def test_frozen_batchnorm_statistics_under_compile_match_an_eval_mode_twin(how):
     assert int(m.bn.num_batches_tracked) == 3
 
 
-@pytest.mark.parametrize("how", ["wrapper-fullgraph", "step"])
+@pytest.mark.parametrize("how", [pytest.param("wrapper-fullgraph", marks=FULLGRAPH_HOLD), "step"])
 @STALE_GRAPHS
 def test_a_context_holding_batchnorm_entered_at_every_compiled_step(how):
     torch.manual_seed(0)

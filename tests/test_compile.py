@@ -285,6 +285,7 @@ def test_the_stale_graph_warning_is_armed_exactly_on_torch_before_2_12():
     from torchstruct import _compile_caveats
 
     assert _compile_caveats.STALE is _torch_before_2_12()
+    assert _compile_caveats.RECHECKED is ((2, 5) <= TORCH < (2, 12))
     assert _compile_caveats.MODES_MISTRACED is (TORCH < (2, 13))
 
 
@@ -318,8 +319,8 @@ def test_compiled_code_sees_a_flag_changed_between_calls():
     with ts.freeze(m):
         frozen = cm(x)[0].item()
     again = cm(x)[0].item()
-    if _torch_before_2_12():
-        pytest.xfail("torch before 2.12 keeps the graph compiled for the old flags")
+    if TORCH < (2, 5):
+        pytest.xfail("torch before 2.5 keeps the graph compiled for the old flags")
     assert (first, frozen, again) == (2.0, 3.0, 2.0)
 
 
@@ -334,7 +335,8 @@ def test_torch_before_2_12_warns_once_when_flags_change_after_compiling(monkeypa
 
     from torchstruct import _compile_caveats
 
-    monkeypatch.setattr(_compile_caveats, "STALE", True)  # as on torch before 2.12
+    monkeypatch.setattr(_compile_caveats, "STALE", True)  # as on torch before 2.5
+    monkeypatch.setattr(_compile_caveats, "RECHECKED", False)
     monkeypatch.setattr(_compile_caveats, "_warned", False)
     from torch._dynamo.utils import counters
 
@@ -356,6 +358,45 @@ def test_torch_before_2_12_warns_once_when_flags_change_after_compiling(monkeypa
         with ts.freeze(m):
             pass
     assert [p.requires_grad for p in m.parameters()] == [True, True]
+
+
+def test_torch_2_5_to_2_11_changed_flags_touch_the_holders_dictionaries_without_a_warning(
+        monkeypatch):
+    """There a dictionary change makes compiled code check its guards (flags included) again:
+    each module holding a changed flag gets a key added to and taken out of ``_parameters``.
+    No parameter goes missing, the order stays, nothing warns; the compiled model follows."""
+    import warnings
+
+    from torchstruct import _compile_caveats
+
+    monkeypatch.setattr(_compile_caveats, "STALE", True)
+    monkeypatch.setattr(_compile_caveats, "RECHECKED", True)
+    torch._dynamo.reset()
+    m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    cm = torch.compile(m, backend="aot_eager")
+    x = torch.ones(3, 2)
+    cm(x).sum().backward()
+    before = [list(mod._parameters.items()) for mod in m.modules()]
+    seen = []
+
+    class Watched(dict):
+        def __setitem__(self, key, value):
+            seen.append(key)
+            super().__setitem__(key, value)
+
+    m[2]._parameters = Watched(m[2]._parameters)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ts.freeze(m, "2"):
+            m.zero_grad(set_to_none=True)
+            cm(x).sum().backward()
+            assert m[2].weight.grad is None and m[0].weight.grad is not None
+    assert seen == [_compile_caveats._KEY] * 2  # frozen, then back: touched once each way
+    assert [list(mod._parameters.items()) for mod in m.modules()] == before
+    m.zero_grad(set_to_none=True)
+    cm(x).sum().backward()
+    assert m[2].weight.grad is not None
+    torch._dynamo.reset()
 
 
 def test_entering_constant_warns_too_on_torch_before_2_12(monkeypatch):

@@ -52,7 +52,7 @@ from . import _dtensor, _state
 from . import tree as _tree
 from ._checks import check_bool, refuse_no_grad_dtype
 from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, records_nothing
-from ._compile_caveats import only_inlined
+from ._compile_caveats import flags_changed, only_inlined
 from ._reference import _place
 from .distributed import average_gradients, ddp_wrapper
 from .declare import starting_flag, trainable_parameters
@@ -122,6 +122,7 @@ class _only:
             except BaseException:  # e.g. an unmaterialized lazy parameter: nothing changed
                 self._restore(done + 1)
                 raise
+            flags_changed(self.model.modules())  # compiled code called in the loss sees them
 
     def __exit__(self, *exc) -> None:
         with _state.LOCK:  # (stand-ins lifted)
@@ -135,6 +136,7 @@ class _only:
                 _state.forget(p)
             else:
                 _state.set_record(p, *rec)
+        flags_changed(self.model.modules())
 
 
 def _check_loss(loss) -> torch.Tensor:

@@ -163,7 +163,10 @@ class State:
                     write_flag(p, flag)
                 members[id(p)] = _state.set_record(p, starts[id(p)][0], flag, starts[id(p)][1])
             if changes:
-                _compile_caveats.warn_once()
+                moved = {id(c[1]) for c in changes}
+                _compile_caveats.flags_changed(
+                    m for m in idx.module_objects
+                    if any(id(v) in moved for v in m._parameters.values()))
             self._release_leavers(members)
             self.members = members
             self.last = {
