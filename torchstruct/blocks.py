@@ -217,8 +217,9 @@ class _Substitute(TorchFunctionMode):
                    if not self.aliases else
                    "; the function's forward takes no ctx, so its backward node cannot be "
                    "reached from here") +
-                "). Hand it the replacement yourself inside the block (p.detach() for "
-                "stop_gradient)."
+                "). " + (_HOOK_HINT if "BackwardHookFunction" in name else
+                         "Hand it the replacement yourself inside the block (p.detach() for "
+                         "stop_gradient).")
             )
         done = ctx.__dict__.setdefault("_torchstruct_cut", set())
         if needed.keys() - done:
@@ -259,6 +260,12 @@ class _Substitute(TorchFunctionMode):
                     "exited, without the replacement, so the gradients would be wrong. Enter the "
                     "block inside the checkpointed function, or use use_reentrant=False")
 
+
+# PyTorch's full backward hooks pass a module's tensor inputs through a custom function
+_HOOK_HINT = ("This one is PyTorch's own: a module full backward hook (register_full_backward_"
+              "hook or register_full_backward_pre_hook) on a module called with the parameter "
+              "itself as an input. Remove the hook for the block, or call that module with an "
+              "expression of the parameter (p * 1, or the replacement itself).")
 
 _DYNAMO = os.path.dirname(torch._dynamo.__file__) + os.sep
 
