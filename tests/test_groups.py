@@ -144,11 +144,17 @@ def test_is_norm():
     class Normalizer(nn.Module):
         pass
 
+    class ConvNextV2GRN(nn.Module):  # global response normalization
+        pass
+
+    class GRNHead(nn.Module):  # GRN not at the end: not a norm
+        pass
+
     for m in (nn.LayerNorm(2), nn.BatchNorm2d(2), nn.InstanceNorm1d(2, affine=True),
               nn.GroupNorm(1, 2), nn.RMSNorm(2), nn.LocalResponseNorm(2), nn.SyncBatchNorm(2),
-              T5LayerNorm(), GroupNorm32(1, 2), LayerNorm2d()):
+              T5LayerNorm(), GroupNorm32(1, 2), LayerNorm2d(), ConvNextV2GRN()):
         assert ts.is_norm(m), type(m).__name__
-    for m in (nn.Linear(1, 1), Normalizer(), nn.Embedding(2, 2), nn.Sequential()):
+    for m in (nn.Linear(1, 1), Normalizer(), nn.Embedding(2, 2), nn.Sequential(), GRNHead()):
         assert not ts.is_norm(m), type(m).__name__
 
 

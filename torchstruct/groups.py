@@ -43,7 +43,7 @@ _TORCH_NORMS = tuple(
         getattr(nn, "RMSNorm", None),
     ) if cls is not None
 )
-_NORM_NAME = re.compile(r"Norm(\d*d|\d+P?|Gated)?$")
+_NORM_NAME = re.compile(r"(Norm(\d*d|\d+P?|Gated)?|GRN)$")
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -53,7 +53,9 @@ def is_norm(module: nn.Module) -> bool:
     ``LayerNorm``, ``GroupNorm``, ``LocalResponseNorm``, ``RMSNorm`` and their subclasses) and for
     any class whose name ends in ``Norm``, optionally followed by digits, ``<digits>d``,
     ``<digits>P`` or ``Gated`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``,
-    ``GroupNorm32``, ``FrozenBatchNorm2d``, ``NemotronLayerNorm1P``, ``MambaRMSNormGated``).
+    ``GroupNorm32``, ``FrozenBatchNorm2d``, ``NemotronLayerNorm1P``, ``MambaRMSNormGated``), or
+    in ``GRN`` (global response normalization: ``ConvNextV2GRN``; timm's
+    ``GlobalResponseNorm`` ends in ``Norm``).
 
     Arguments:
         module: a module instance (a class is not one: ``is_norm(nn.LayerNorm(4))``).
