@@ -417,6 +417,7 @@ def test_update_bn_on_an_averaged_copy_of_a_model_with_frozen_batchnorm():
 
 # -------------------------------------------------------------------- norm layers frozen by others
 def _tiny_resnet():
+    pytest.importorskip("transformers")
     from transformers import ResNetConfig, ResNetForImageClassification
 
     cfg = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
@@ -442,6 +443,7 @@ def test_hf_resnet_batchnorm_held_inside_freeze_except_and_released_after():
 
 
 def test_a_block_elsewhere_does_not_hold_batchnorms_that_peft_froze():
+    pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
     pm = get_peft_model(_tiny_resnet(), LoraConfig(r=2, target_modules=["classifier.1"]))
@@ -489,6 +491,7 @@ def test_attaching_the_parent_inside_a_childs_block_restores_every_flag():
 
 # --------------------------------------------------------------------------------- cases that hold
 def _tiny_gpt2():
+    pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -545,6 +548,7 @@ def test_gpt2_gradient_checkpointing_under_freeze_except_gives_grads_only_to_the
 
 
 def test_peft_lora_contexts_restore_peft_flags():
+    pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
 
     pm = get_peft_model(_tiny_gpt2(), LoraConfig(r=2, target_modules=["c_attn"],

@@ -219,6 +219,7 @@ def check_partition(model, groups):
 
 
 def hf_no_decay(model):
+    pytest.importorskip("transformers")
     from transformers.trainer_pt_utils import get_parameter_names
 
     patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]

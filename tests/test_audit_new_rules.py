@@ -1293,6 +1293,7 @@ def test_ddp_reentrant_checkpoint_and_a_block_over_a_parameter_outside_it_is_ref
 
 
 def _tiny_gpt2():
+    pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=2, n_head=2, n_embd=8, vocab_size=16, n_positions=8,

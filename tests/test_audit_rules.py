@@ -719,6 +719,7 @@ def test_no_warning_for_a_block_in_which_nothing_was_added():
 
 
 def _tiny_gpt2():
+    pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8,
@@ -861,7 +862,9 @@ def test_a_schedule_step_inside_a_later_unfreeze_block_does_not_override_the_blo
 
 
 def test_peft_lora_block_with_a_base_weight_unfrozen_by_hand():
+    pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
+    pytest.importorskip("transformers")
     from transformers import BertConfig, BertModel
 
     cfg = BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,

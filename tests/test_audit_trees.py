@@ -648,6 +648,7 @@ def test_summary_rows_of_random_models_match_brute_force(model):
 
 
 def tiny_gpt2(**kw):
+    pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=3, n_head=2, n_embd=8, vocab_size=40, n_positions=16,
@@ -656,6 +657,7 @@ def tiny_gpt2(**kw):
 
 
 def tiny_bert():
+    pytest.importorskip("transformers")
     from transformers import BertConfig, BertModel
     torch.manual_seed(0)
     return BertModel(BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=8,
@@ -984,6 +986,7 @@ def test_lazy_model_after_its_first_forward_is_counted():
 
 
 def test_summary_bert_masked_lm_two_ties(hf):
+    pytest.importorskip("transformers")
     from transformers import BertConfig, BertForMaskedLM
     torch.manual_seed(0)
     b = BertForMaskedLM(BertConfig(num_hidden_layers=2, num_attention_heads=2, hidden_size=8,

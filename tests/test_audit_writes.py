@@ -511,7 +511,9 @@ def test_torch_compile_wrapper_step_with_a_head_appended_and_contexts_inside_and
 
 # ---------------------------------------------------------------------------- real libraries
 def test_gpt2_lora_write_by_hand_inside_a_block_with_a_compiled_step():
+    pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
+    pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_embd=8, n_layer=2, n_head=2, vocab_size=32, n_positions=16)
@@ -548,7 +550,9 @@ def test_gpt2_lora_write_by_hand_inside_a_block_with_a_compiled_step():
 
 
 def test_bert_lora_mark_trainable_on_a_shared_layer_reaches_both_models():
+    pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
+    pytest.importorskip("transformers")
     from transformers import BertConfig, BertModel
 
     cfg = BertConfig(hidden_size=8, num_hidden_layers=2, num_attention_heads=2,

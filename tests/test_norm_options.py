@@ -193,6 +193,7 @@ def test_a_bad_option_raises_and_changes_nothing():
 
 # ------------------------------------------------------------------------ a real model
 def test_hf_resnet_stage_option_survives_attaching_the_model():
+    pytest.importorskip("transformers")
     from transformers import ResNetConfig, ResNetModel
 
     cfg = ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
