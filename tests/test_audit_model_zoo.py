@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 import torchstruct as ts
+from test_layer_decay import brute_force as layer_scales_by_brute_force
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
@@ -227,20 +228,6 @@ def hf_no_decay(model):
     return {path for path, _ in canonical(model)} - decay
 
 
-def brute_layer_scales(model, stack, decay):
-    """{canonical path: lr_scale}: ids from the named_parameters() order of canonical paths."""
-    n = len(model.get_submodule(stack))
-    out, seen = {}, False
-    for path, _ in canonical(model):
-        m = re.match(re.escape(stack) + r"\.(\d+)\.", path)
-        if m:
-            seen, layer = True, int(m.group(1)) + 1
-        else:
-            layer = n + 1 if seen else 0
-        out[path] = decay ** (n + 1 - layer)
-    return out
-
-
 def trainable_paths(model):
     return {n for n, p in canonical(model) if p.requires_grad}
 
@@ -390,7 +377,7 @@ def test_layer_decay_auto(name):
         f"{stack}.{i}" for i in range(len(model.get_submodule(stack)))]
     groups = ts.param_groups(model, *rules, weight_decay=0.05)
     where = check_partition(model, groups)
-    want = brute_layer_scales(model, stack, 0.5)
+    want = layer_scales_by_brute_force(model, stack, 0.5)
     assert {n: g["lr_scale"] for n, g in where.items()} == want
     nd = brute_no_decay(model)
     assert {n for n, g in where.items() if g["weight_decay"] == 0.0} == nd
@@ -406,7 +393,7 @@ def test_layer_decay_explicit_layers(name, stack):
     for layers in (stack, model.get_submodule(stack)):
         groups = ts.param_groups(model, *ts.layer_decay(model, 0.75, layers=layers))
         where = check_partition(model, groups)
-        want = brute_layer_scales(model, stack, 0.75)
+        want = layer_scales_by_brute_force(model, stack, 0.75)
         got = {n: g["lr_scale"] for n, g in where.items()}
         assert got.keys() == want.keys()
         for n in want:
@@ -426,7 +413,7 @@ def test_layer_decay_head_rule_first_wins():
     model = zoo("mistral")
     groups = ts.param_groups(model, ("lm_head", {"lr": 1e-2}), *ts.layer_decay(model, 0.5))
     where = check_partition(model, groups)
-    want = brute_layer_scales(model, "model.layers", 0.5)
+    want = layer_scales_by_brute_force(model, "model.layers", 0.5)
     for n, g in where.items():
         if n == "lm_head.weight":
             assert g["lr"] == 1e-2 and "lr_scale" not in g
@@ -438,7 +425,7 @@ def test_layer_decay_more_than_ten_blocks():
     model = _make("qwen2", num_hidden_layers=12)
     rules = ts.layer_decay(model, 0.9)
     where = check_partition(model, ts.param_groups(model, *rules))
-    want = brute_layer_scales(model, "model.layers", 0.9)
+    want = layer_scales_by_brute_force(model, "model.layers", 0.9)
     assert {n: g["lr_scale"] for n, g in where.items()} == pytest.approx(want)
     assert [p for p, _ in ts.select(model, "model.layers.1")] == [
         p for p, _ in canonical(model) if p.startswith("model.layers.1.")]
@@ -456,7 +443,7 @@ def test_layer_decay_stages_holding_longer_stacks_refuse(name, kw):
     # the inner stack of one stage, explicitly
     where = check_partition(model, ts.param_groups(model, *ts.layer_decay(model, 0.5,
                                                                          layers=stack)))
-    want = brute_layer_scales(model, stack, 0.5)
+    want = layer_scales_by_brute_force(model, stack, 0.5)
     assert {n: g["lr_scale"] for n, g in where.items()} == want
 
 
@@ -512,7 +499,7 @@ def test_peft_groups_layer_decay_and_summary(kind):
             ts.layer_decay(model, 0.5)
     else:
         where = check_partition(model, ts.param_groups(model, *ts.layer_decay(model, 0.5)))
-        assert {n: g["lr_scale"] for n, g in where.items()} == brute_layer_scales(
+        assert {n: g["lr_scale"] for n, g in where.items()} == layer_scales_by_brute_force(
             model, stack, 0.5)
     assert ts.summary(model).counts == counts(model)
     assert {n for n, _ in ts.trainable_parameters(model)} == set(adapters)

@@ -37,19 +37,16 @@ compared with ``Module.load_state_dict``; bad keys, shapes and dtypes raise and 
 
 Bad optimizer state on resume (another model's, a wrong group count, a resized embedding, a mask
 of the wrong shape, state mapped to ``meta``) raises and leaves parameters, flags, optimizer
-state and masks as they were. Also tried: another optimizer type's state dict, a state dict
-whose ``param_names`` disagree with the optimizer's, masks through a ``load_state_dict``
-pre-hook that remaps by name, masks through ``torch.distributed.checkpoint.state_dict``, and a
-step refused inside ``GradScaler.step`` then retried after the state was fixed.
+state and masks as they were; so does another optimizer type's state dict and one whose
+``param_names`` disagree with the optimizer's. Masks follow a ``load_state_dict`` pre-hook that
+remaps by name and survive ``torch.distributed.checkpoint.state_dict``, and a step refused inside
+``GradScaler.step``, retried after the state was fixed, equals a clean one.
 
 With Lightning: ``fit(ckpt_path=...)`` from the last (epoch-end) checkpoint, with ``lr_scale``
 groups, a mask, a frozen block, the folded clip and a per-step LR scheduler, continues bitwise
 like the straight run. With the HF convention: a ``torch.optim.AdamW`` over HF
 ``Trainer``-style decay groups continues on ``ts.optim.AdamW(ts.param_groups(...))`` like the
 plain script (the ``Trainer``'s own checkpoint resume is in ``test_integrations_hf.py``).
-
-A test marked ``xfail(strict=True)`` reproduces a case that goes wrong today; its reason says
-what happens and what is expected.
 """
 import copy
 import io
@@ -849,13 +846,6 @@ def test_resized_embedding_between_save_and_load_is_refused():
 
 
 @NEEDS_NAMED_OPTIM
-@pytest.mark.xfail(strict=True, reason=(
-    "load_state_dict maps saved state to parameters by position only: a state dict whose "
-    "param_names say 'enc.weight', 'enc.bias' for group 0 loads into an optimizer whose group 0 "
-    "holds 'dec.*' (the same shapes), so dec gets enc's moments and enc's lr_scale, and "
-    "param_names is overwritten with the saved names, hiding the mismatch (a later "
-    "set_mask('enc.weight', ...) masks dec). Expected: when both sides carry param_names and "
-    "they differ, a ValueError naming the first differing path, nothing changed."))
 def test_state_dict_with_other_param_names_is_refused():
     def model():
         torch.manual_seed(0)
@@ -875,13 +865,38 @@ def test_state_dict_with_other_param_names_is_refused():
     assert_opt_unchanged(other, snap)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "an SGD state dict (momentum_buffer, groups without betas/eps) loads into ts.optim.AdamW "
-    "without complaint, replacing its groups and state; the next step() then fails with "
-    "KeyError: 'betas' (and AdamW into SGD with KeyError: 'momentum'), leaving an optimizer "
-    "that cannot step. torch.optim behaves the same, but ts.optim's load_state_dict promises to "
-    "check the saved state before writing. Expected: a ValueError at load_state_dict naming "
-    "the missing option or state key, the optimizer unchanged."))
+
+
+@NEEDS_NAMED_OPTIM
+def test_state_dict_names_with_wrapper_prefixes_or_without_names_load_by_position():
+    net, opt = trained_ts()
+    saved = roundtrip(opt.state_dict())
+    for g in saved["param_groups"]:  # as saved from DDP(torch.compile(model))
+        g["param_names"] = ["module._orig_mod." + n for n in g["param_names"]]
+    unnamed = copy.deepcopy(saved)
+    for g in unnamed["param_groups"]:  # torch.optim before it saved names
+        del g["param_names"]
+    for sd in (saved, unnamed):
+        fresh = Net(seed=1)
+        resumed = ts.optim.AdamW(ts.param_groups(fresh), lr=0.02)
+        resumed.load_state_dict(sd)
+        for p, q in zip(net.parameters(), fresh.parameters()):
+            assert torch.equal(opt.state[p]["exp_avg"], resumed.state[q]["exp_avg"])
+        assert torch.equal(resumed.masks[fresh.embed.weight], rows_mask())
+
+
+def test_saved_masks_that_disagree_with_the_masks_in_the_state_are_refused():
+    net, opt = trained_ts()
+    saved = roundtrip(opt.state_dict())
+    mask = next(iter(saved["masks"].values()))
+    assert saved["state"][next(iter(saved["masks"]))]["torchstruct_mask"] is mask
+    for k in saved["masks"]:  # a pre-hook that moved the state but not "masks" looks like this
+        saved["state"][k] = {**saved["state"][k], "torchstruct_mask": ~mask}
+    target = ts.optim.AdamW(ts.param_groups(Net(seed=1)), lr=0.02)
+    snap = opt_snapshot(target)
+    with pytest.raises(ValueError, match="disagree"):
+        target.load_state_dict(saved)
+    assert_opt_unchanged(target, snap)
 @pytest.mark.parametrize("pair", ["sgd->adamw", "adamw->sgd"])
 def test_state_dict_of_another_optimizer_type_is_refused_at_load(pair):
     net = Net()
@@ -899,15 +914,6 @@ def test_state_dict_of_another_optimizer_type_is_refused_at_load(pair):
     assert_opt_unchanged(dst, snap)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ts.optim's load_state_dict reads the saved 'masks' (and checks the saved state) on the "
-    "dict as given, before torch runs the load_state_dict pre-hooks (torch's documented way to "
-    "remap a checkpoint by param_names). A pre-hook that puts the saved groups into this "
-    "optimizer's order loads the moments into the right parameters, but the mask saved for "
-    "'enc.weight' lands on 'dec.weight' (same shape, same saved index) and enc trains "
-    "everywhere; with a hook that changes the group count the saved masks are dropped without "
-    "a word. Expected: the masks (and the checks) taken from the state dict the pre-hooks "
-    "return."))
 @NEEDS_NAMED_OPTIM
 def test_saved_masks_follow_a_load_state_dict_pre_hook():
     def model():
@@ -951,13 +957,6 @@ def test_saved_masks_follow_a_load_state_dict_pre_hook():
     assert [n for n, p in m2.named_parameters() if p in opt2.masks] == ["enc.weight"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.distributed.checkpoint.state_dict.get_optimizer_state_dict (the path docs/"
-    "distributed.md gives for saving ts.optim state of sharded models) keeps only 'state' and "
-    "'param_groups': the element masks are silently left out, and set_optimizer_state_dict "
-    "into an optimizer built without masks= gives one with no masks, so the resumed run trains "
-    "the masked-out rows. Expected: the masks survive get/set_optimizer_state_dict (as they "
-    "survive state_dict/load_state_dict), or a clear error/warning that they were dropped."))
 def test_masks_survive_distributed_checkpoint_optimizer_state_dict():
     dcp_state = pytest.importorskip("torch.distributed.checkpoint.state_dict")
     net = Net()
@@ -973,14 +972,6 @@ def test_masks_survive_distributed_checkpoint_optimizer_state_dict():
     assert torch.equal(resumed.embed.weight[~rows_mask()], start.embed.weight[~rows_mask()])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a step refused inside scaler.step(opt) (here: a negative lr that came with a loaded "
-    "state) leaves the grad_scale / found_inf attributes GradScaler set on the optimizer (it "
-    "deletes them only after a step that returns); after the state is fixed, the next "
-    "scaler.step multiplies the scale by the stale grad_scale, and ts.optim unscales the "
-    "gradients by 1/scale**2: a silently far too small update (torch's fused optimizers share "
-    "the flaw; torch.optim.AdamW with foreach=False recovers exactly). Expected: a step that "
-    "raises drops those attributes, so the retried step equals a clean one."))
 def test_step_refused_inside_gradscaler_step_leaves_no_stale_scale():
     def setup():
         net = Net()

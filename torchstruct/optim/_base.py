@@ -121,6 +121,39 @@ def _grads_of(params: list) -> list:
 _MISSING = object()  # no state value there before (see MaskedOptimizer._write_state)
 
 
+_MASK_KEY = "torchstruct_mask"  # a mask carried in its parameter's state_dict() "state" entry
+
+
+def _unwrapped(name):
+    """A parameter path without the prefixes wrappers add: ``_orig_mod.`` (``torch.compile``,
+    also of a submodule) anywhere, ``module.`` (DDP, DataParallel) in front."""
+    if not isinstance(name, str):
+        return name
+    parts = [part for part in name.split(".") if part != "_orig_mod"]
+    while len(parts) > 1 and parts[0] == "module":
+        parts.pop(0)
+    return ".".join(parts)
+
+
+def _mask_of(value):
+    """A carried mask as saved; as bool when a torch optimizer's ``load_state_dict`` cast it to
+    the parameter's floating dtype on the way (exact: its values are 0 and 1)."""
+    if (isinstance(value, torch.Tensor) and value.is_floating_point() and not value.is_meta
+            and bool(((value == 0) | (value == 1)).all())):
+        return value != 0
+    return value
+
+
+def _same_mask(a, b) -> bool:
+    """Whether two saved masks (or Nones) are the same."""
+    if a is b:
+        return True
+    if a is None or b is None:
+        return a is None and b is None
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+            and torch.equal(a.cpu(), b.cpu()))
+
+
 class MaskedOptimizer(torch.optim.Optimizer):
     """Base of the fused optimizers: planning, checks, masks, clip, AMP.
 
@@ -132,6 +165,10 @@ class MaskedOptimizer(torch.optim.Optimizer):
     """
 
     _op = ""
+    # the group options and (in a non-empty state entry) the state keys a step reads: a
+    # state dict without them is refused by load_state_dict
+    _group_keys: tuple = ("lr",)
+    _state_keys: tuple = ()
     # torch.amp.GradScaler.step: set grad_scale / found_inf and call step().
     _step_supports_amp_scaling = True
 
@@ -223,51 +260,139 @@ class MaskedOptimizer(torch.optim.Optimizer):
     @torch._disable_dynamo
     def state_dict(self):
         """torch's optimizer state dict, plus ``"masks"``: ``{index: bool tensor}`` keyed
-        by the same parameter indices as ``"state"``, so a resumed run needs no ``masks=``."""
+        by the same parameter indices as ``"state"``, so a resumed run needs no ``masks=``.
+        The mask of a parameter that has state is also in its ``"state"`` entry (under
+        ``"torchstruct_mask"``), which tools that keep only ``"state"`` and
+        ``"param_groups"`` (``torch.distributed.checkpoint.state_dict``) carry along."""
         out = super().state_dict()
         order = self._param_order()
         out["masks"] = {order[id(p)]: m for p, m in self.masks.items() if id(p) in order}
+        state = out["state"]
+        for k, mask in out["masks"].items():
+            if k in state:  # a new dict: the entry is the optimizer's own
+                state[k] = {**state[k], _MASK_KEY: mask}
         return out
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict) -> None:
-        """torch's ``load_state_dict``, after checking the saved masks (bool, the
-        parameter's shape; moved to its device) and the shapes of the saved per-element
-        state against the parameters: on any error nothing is changed. A state dict
-        without ``"masks"`` (e.g. from ``torch.optim``) keeps the current masks; one with
-        ``"masks"`` replaces them."""
+        """torch's ``load_state_dict``, after checking (on the state dict the registered
+        ``load_state_dict`` pre-hooks return) the saved masks (bool, the parameter's shape;
+        moved to its device), the shapes of the saved per-element state against the
+        parameters, the option and state keys this optimizer needs (a state dict of another
+        optimizer type is refused) and, where both sides carry ``param_names``, that the
+        saved names are this optimizer's: on any error nothing is changed. The masks are
+        those under ``"masks"``, else those carried in the ``"state"`` entries; a state dict
+        with neither (e.g. from ``torch.optim``) keeps the current masks."""
+        loaded = []
+
+        def check(_, hooked):  # registered last: it sees what the other pre-hooks return
+            masks, hooked = self._checked_load(hooked)
+            loaded.append(masks)
+            return hooked
+
+        handle = self.register_load_state_dict_pre_hook(check)
+        try:
+            super().load_state_dict(state_dict)
+        finally:
+            handle.remove()
+        if loaded and loaded[0] is not None:
+            self.masks = loaded[0]
+
+    def _checked_load(self, state_dict):
+        """(the saved masks, or None to keep the current ones; the state dict to load, the
+        masks carried in its ``"state"`` entries taken out), all checked; ``(None,
+        state_dict)`` when the groups do not match (torch's own check raises)."""
         by_index = self._saved_index(state_dict)
-        if by_index is None:  # the groups do not match: torch's own check raises
-            return super().load_state_dict(state_dict)
+        if by_index is None:
+            return None, state_dict
+        self._check_saved_groups(state_dict["param_groups"])
+        state, carried = self._saved_state(state_dict.get("state", {}), by_index)
+        masks = self._saved_masks(state_dict, by_index, carried, state)
+        if carried:
+            state_dict = {**state_dict, "state": state}
+        return masks, state_dict
+
+    def _check_saved_groups(self, saved: list) -> None:
+        """The saved groups carry the options this optimizer needs and, where both sides
+        have ``param_names``, the same names (wrapper prefixes aside); ``ValueError``."""
         name = type(self).__name__
-        for k, entry in dict(state_dict.get("state", {})).items():
+        for gi, (sg, group) in enumerate(zip(saved, self.param_groups)):
+            missing = [k for k in self._group_keys if k not in sg]
+            if missing:
+                raise ValueError(
+                    f"{name}: load_state_dict: saved param group {gi} has no {missing[0]!r} "
+                    f"(it has {sorted(k for k in sg if k != 'params')}): a state dict of "
+                    f"another optimizer type? {name} needs {', '.join(self._group_keys)}")
+            ours, theirs = group.get("param_names"), sg.get("param_names")
+            if not isinstance(ours, list) or not isinstance(theirs, list):
+                continue  # no names on one side: by position, as torch loads
+            for j, (a, b) in enumerate(zip(theirs, ours)):
+                if _unwrapped(a) != _unwrapped(b):
+                    raise ValueError(
+                        f"{name}: load_state_dict: saved param group {gi}, position {j} is "
+                        f"{a!r} but this optimizer's is {b!r}: the state would load into "
+                        f"another parameter (map the saved state by param_names with a "
+                        f"register_load_state_dict_pre_hook)")
+
+    def _saved_state(self, saved, by_index) -> tuple:
+        """(the saved ``"state"`` without the carried masks, {index: carried mask}), each
+        entry checked: the state keys this optimizer needs, per-element shapes."""
+        name = type(self).__name__
+        state, carried = {}, {}
+        for k, entry in dict(saved).items():
             p = by_index.get(k)
             if p is None or not isinstance(entry, dict):
+                state[k] = entry
                 continue
+            if _MASK_KEY in entry:
+                entry = dict(entry)
+                carried[k] = _mask_of(entry.pop(_MASK_KEY))
+            missing = [key for key in self._state_keys if key not in entry]
+            if entry and missing:
+                raise ValueError(
+                    f"{name}: load_state_dict: the saved state of {self._label(p)} has no "
+                    f"{missing[0]!r} (it has {sorted(entry)}): a state dict of another "
+                    f"optimizer type?")
             for key, value in entry.items():
                 # every tensor but the step counter is per element (a 0-dim one would broadcast)
                 if isinstance(value, torch.Tensor) and key != "step" and value.shape != p.shape:
                     raise ValueError(f"{name}: load_state_dict: state {key!r} of "
                                      f"{self._label(p)} has shape {tuple(value.shape)}")
-        masks = None
+            state[k] = entry
+        return state, carried
+
+    def _saved_masks(self, state_dict, by_index, carried, state):
+        """{param: mask} from ``"masks"``, else from the masks carried in the ``"state"``
+        entries, checked; None when there are neither. Where both are there, they must agree
+        on every parameter with a state entry."""
+        name = type(self).__name__
         if "masks" in state_dict:
             saved = state_dict["masks"]
             if not isinstance(saved, dict):
                 raise ValueError(f"{name}: load_state_dict: 'masks' must be a dict, got "
                                  f"{type(saved).__name__}")
-            masks = {}
-            for k, mask in saved.items():
-                p = by_index.get(k)
-                if p is None:
-                    raise ValueError(f"{name}: load_state_dict: a mask for parameter index "
-                                     f"{k!r}, which the saved param groups do not list")
-                if isinstance(mask, torch.Tensor) and mask.device != p.device:
-                    mask = mask.to(p.device)
-                self._check_mask(p, mask)
-                masks[p] = mask
-        super().load_state_dict(state_dict)
-        if masks is not None:
-            self.masks = masks
+        elif carried:
+            saved = carried
+        else:
+            return None
+        masks = {}
+        for k, mask in saved.items():
+            p = by_index.get(k)
+            if p is None:
+                raise ValueError(f"{name}: load_state_dict: a mask for parameter index "
+                                 f"{k!r}, which the saved param groups do not list")
+            if isinstance(mask, torch.Tensor) and mask.device != p.device:
+                mask = mask.to(p.device)
+            self._check_mask(p, mask)
+            masks[p] = mask
+        if carried and saved is not carried:
+            for k in state:
+                if not _same_mask(saved.get(k), carried.get(k)):
+                    raise ValueError(
+                        f"{name}: load_state_dict: the saved 'masks' and the mask in the saved "
+                        f"state of {self._label(by_index[k])} disagree (a pre-hook that "
+                        f"remapped 'state' but not 'masks'?)")
+        return masks
 
     def _param_order(self) -> Dict[int, int]:
         """id(param) -> its index in a state dict (torch's numbering)."""
@@ -485,7 +610,17 @@ class MaskedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every trainable parameter that has a gradient; returns the
-        closure's loss (the closure runs with gradients enabled)."""
+        closure's loss (the closure runs with gradients enabled). A step that raises drops
+        ``grad_scale`` / ``found_inf`` (``GradScaler.step`` deletes them only after a step
+        that returns): a retried ``scaler.step`` would otherwise unscale twice."""
+        try:
+            return self._step(closure)
+        except BaseException:
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
+
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():

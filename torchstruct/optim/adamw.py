@@ -45,6 +45,8 @@ class AdamW(MaskedOptimizer):
     """
 
     _op = "adamw_step_"
+    _group_keys = ("lr", "betas", "eps", "weight_decay")
+    _state_keys = ("step", "exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,

@@ -42,6 +42,8 @@ class SGD(MaskedOptimizer):
     """
 
     _op = "sgd_step_"
+    _group_keys = ("lr", "momentum", "dampening", "weight_decay")
+    _state_keys = ("momentum_buffer",)
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
