@@ -209,7 +209,8 @@ def structural_grad(
         ``torch.zeros_like(param)`` when the loss reaches another asked parameter. Each leaf
         owns its memory, as ``.grad`` after ``backward()`` does (copied where autograd hands
         back one tensor for several parameters, or an expanded one), so the tree can be
-        clipped and updated in place. No ``.grad`` field is left changed. Under DDP: the gradients averaged over the ranks.
+        clipped and updated in place. No ``.grad`` field is left changed. Under DDP: the
+        gradients averaged over the ranks.
 
     Raises:
         TypeError: ``model`` is not a module, or ``loss`` is neither tensor nor callable, or the
