@@ -460,12 +460,36 @@ def test_checkpoint_with_the_block_inside_the_function(reentrant):
     same_grads(got, grads(m, [x2]))
 
 
-def test_checkpoint_non_reentrant_recomputed_outside_the_block_is_loud():
+@pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
+def test_checkpoint_non_reentrant_recomputed_outside_the_block_is_loud(kind):
     m, x = nn.Linear(3, 3), torch.randn(2, 3, requires_grad=True)
-    with ts.stop_gradient(m, "weight"):
+    block = (ts.stop_gradient(m, "weight") if kind == "stop_gradient"
+             else ts.swap(m, {"weight": torch.zeros(3, 3)}))
+    with block:
         y = checkpoint(m, x, use_reentrant=False)
-    with pytest.raises(torch.utils.checkpoint.CheckpointError):
+    with pytest.raises(RuntimeError, match=f"{kind}: an activation checkpoint"):
         y.sum().backward()
+    assert x.grad is None and m.weight.grad is None and m.bias.grad is None
+
+
+@pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
+def test_checkpoint_non_reentrant_recomputed_inside_the_block_matches_no_checkpoint(kind):
+    torch.manual_seed(0)
+    m, x = nn.Linear(4, 4), torch.randn(4, 4, requires_grad=True)  # saved shapes coincide
+    v = torch.randn(4, 4, requires_grad=True)
+
+    def block():
+        return (ts.stop_gradient(m, "weight") if kind == "stop_gradient"
+                else ts.swap(m, {"weight": v}))
+
+    got = []
+    for ck in (False, True):
+        with block():
+            y = checkpoint(m, x, use_reentrant=False) if ck else m(x)
+            got.append(torch.autograd.grad(torch.tanh(y).pow(2).sum(), [x, v]
+                                           if kind == "swap" else [x], allow_unused=True))
+    for a, b in zip(*got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", ["stop_gradient", "swap"])

@@ -1,7 +1,12 @@
-"""Reentrant activation checkpoints (``torch.utils.checkpoint`` with ``use_reentrant=True``)
-seen from the autograd graph: their backward recomputes the function and runs an inner backward
-out of sight of the graph, so the parameters the function uses have no edge from the node.
-Used by structural gradients and by the DDP check of blocks."""
+"""Activation checkpoints (``torch.utils.checkpoint``) and what torchstruct changes around them.
+
+A reentrant checkpoint (``use_reentrant=True``) seen from the autograd graph: its backward
+recomputes the function and runs an inner backward out of sight of the graph, so the parameters
+the function uses have no edge from the node (used by structural gradients and by the DDP
+check of blocks). Both forms recompute the function in backward, possibly after a context or
+block around their forward has ended: while one is active, the recomputation is made to run
+with the flags the forward ran with (contexts), or refused (``stop_gradient`` / ``swap``
+blocks left before the backward)."""
 from __future__ import annotations
 
 import functools
@@ -43,11 +48,15 @@ def modules_behind(fn, depth: int = 4):
 
 # ----------------------------------------------------------------------------- the forward
 # torch's reentrant checkpoint forward is wrapped only while some part of torchstruct looks at
-# it (``around``), and put back as it was (the staticmethod itself) when none does.
+# it (``around``), and put back as it was (the staticmethod itself) when none does; likewise
+# the generator behind the non-reentrant form (``recompute_through``), which ``checkpoint``
+# looks up in its module at each call.
 _CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 _FORWARD = _CHECKPOINT.__dict__["forward"]
+_GENERATOR = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
 _AROUND_LOCK = threading.Lock()
 _AROUND: dict = {}  # key -> around(forward, ctx, run_function, preserve_rng_state, *args)
+_RECOMPUTE: dict = {}  # key -> capture(fn) -> what the non-reentrant recomputation runs
 
 
 def around(key: str, fn) -> None:
@@ -67,6 +76,26 @@ def _set(key: str, fn) -> None:
     _CHECKPOINT.forward = staticmethod(_forward) if _AROUND else _FORWARD
 
 
+def _set_recompute(key: str, capture) -> None:
+    """Under ``around``'s lock: a non-reentrant checkpoint called from now on recomputes
+    ``capture(fn)`` instead of its function ``fn`` (called at its forward, in the forward's
+    thread), or stop (``capture`` None). Several compose, in the order they were first given."""
+    if _GENERATOR is None:  # pragma: no cover - a torch without the non-reentrant generator
+        return
+    if capture is None:
+        _RECOMPUTE.pop(key, None)
+    else:
+        _RECOMPUTE[key] = capture
+    torch.utils.checkpoint._checkpoint_without_reentrant_generator = (
+        _generator if _RECOMPUTE else _GENERATOR)
+
+
+def _generator(fn, *rest, **kwargs):
+    for capture in list(_RECOMPUTE.values()):
+        fn = capture(fn)
+    return (yield from _GENERATOR(fn, *rest, **kwargs))
+
+
 def _forward(ctx, run_function, preserve_rng_state, *args):
     forward = _FORWARD.__func__
     for fn in list(_AROUND.values()):
@@ -83,24 +112,34 @@ def records_nothing(args) -> bool:
 # Why the forward is wrapped for the flags: while a flag context is active, or while a
 # recomputation that set flags back runs in some thread (a checkpoint nested in its function
 # runs its forward there, with no context active any more).
-_WANTED = {"contexts": False, "recomputing": 0}
+_WANTED = {"contexts": False, "recomputing": 0, "blocks": 0}
 _LOCAL = threading.local()  # .running: this thread's recomputations, innermost last (flags)
 
 
 def keep_flags(on: bool) -> None:
-    """While a flag context is active (``on``), a reentrant checkpoint that records remembers
-    the flags the active contexts decide for its own model, and its recomputation in backward
-    runs with them."""
+    """While a flag context is active (``on``), a checkpoint that records remembers the flags
+    the active contexts decide for its own model, and its recomputation in backward runs with
+    them."""
     _want(contexts=on)
 
 
-def _want(contexts: bool | None = None, recomputing: int = 0) -> None:
+def watch_blocks(count: int) -> None:
+    """A ``stop_gradient`` / ``swap`` block was entered (``count`` 1) or left (-1): while any is
+    active, a non-reentrant checkpoint whose forward runs inside blocks refuses to recompute
+    once one of them has ended (the recomputation would run without its stand-ins)."""
+    _want(blocks=count)
+
+
+def _want(contexts: bool | None = None, recomputing: int = 0, blocks: int = 0) -> None:
     with _AROUND_LOCK:
         if contexts is not None:
             _WANTED["contexts"] = contexts
         _WANTED["recomputing"] += recomputing
+        _WANTED["blocks"] += blocks
         on = _WANTED["contexts"] or _WANTED["recomputing"] > 0
         _set("flags", _remember_flags if on else None)
+        _set_recompute("flags", _flags_kept if on else None)
+        _set_recompute("blocks", _blocks_kept if _WANTED["blocks"] > 0 else None)
 
 
 def _remember_flags(forward, ctx, run_function, preserve_rng_state, *args):
@@ -112,34 +151,75 @@ def _remember_flags(forward, ctx, run_function, preserve_rng_state, *args):
     return out
 
 
+def _flags_kept(fn):
+    """A non-reentrant checkpoint's function, recomputed with the flags of its forward."""
+    flags = _flags_for(fn)
+    return functools.partial(_recompute, flags, fn) if flags else fn
+
+
+def _stand_ins() -> list:
+    return [m for m in torch.overrides._get_current_function_mode_stack()
+            if getattr(m, "stands_in", False)]
+
+
+def _blocks_kept(fn):
+    """A non-reentrant checkpoint's function, recomputed inside the blocks its forward ran in
+    (a backward called inside a block runs without it: torch calls it from the block's own
+    handler), or refused when one of them has ended."""
+    modes = _stand_ins()
+    return functools.partial(_recompute_in_blocks, modes, fn) if modes else fn
+
+
+def _recompute_in_blocks(modes: list, fn, *args, **kwargs):
+    gone = [m for m in modes if m.ended]
+    if gone:
+        kind = gone[0].kind
+        raise RuntimeError(
+            f"{kind}: an activation checkpoint (torch.utils.checkpoint, use_reentrant=False) "
+            f"ran its forward inside a {kind} block and is recomputed in a backward that runs "
+            "after the block has exited: the recomputation would not see the block's stand-ins, "
+            "and the gradients would be wrong. Run the backward inside the block, or enter the "
+            "block inside the checkpointed function.")
+    now = _stand_ins()
+    missing = [m for m in modes if not any(m is n for n in now)]
+    for mode in missing:
+        torch._C._push_on_torch_function_stack(mode)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for mode in reversed(missing):  # taken off wherever it is; modes above stay, in order
+            above = []
+            while (top := torch._C._pop_torch_function_stack()) is not mode:
+                above.append(top)
+            for m in reversed(above):
+                torch._C._push_on_torch_function_stack(m)
+
+
 def _flags_for(run_function) -> tuple:
-    """``(parameter, flag now)`` of the parameters whose flags an active context decided, or
-    that an enclosing recomputation of this thread set back, restricted to the attached models
-    holding a module ``run_function`` is bound to (all of them when none is seen)."""
+    """``(parameter, flag now)`` of the parameters a recomputation of ``run_function`` must see
+    as its forward does: those of the modules it is bound to (a module, a bound method, a
+    partial or closure over one), or, when none is seen, those of the scopes of the active
+    contexts; and those an enclosing recomputation of this thread set back. Flags that did not
+    move by the recomputation are left alone then."""
     from . import _state
 
-    params = {}
-    for entry in list(_state.entries):
-        if entry.scope() is not None:
-            for p, _ in list(entry.decided.values()):
-                if isinstance(p, nn.Parameter):
-                    params[id(p)] = p
+    scopes = [s for s in (e.scope() for e in list(_state.entries)) if s is not None]
     running = getattr(_LOCAL, "running", None)
-    if running:
-        params.update((id(p), p) for p, _ in running[-1])
-    elif not params:
+    if not scopes and not running:
         with _state.LOCK:  # the last context's model is gone: torch's own forward again
             if not any(e.scope() is not None for e in _state.entries):
                 keep_flags(False)
-    mods = {id(m) for m in modules_behind(run_function)} if params else ()
-    if mods:  # a function bound to no module at all: every model's flags
-        own = set().union(*(st.members for st in _state.live_states()
-                            if not mods.isdisjoint(st.module_ids)))
-        return tuple((p, p.requires_grad) for i, p in params.items() if i in own)
-    return tuple((p, p.requires_grad) for p in params.values())
+        return ()
+    params = {}
+    for mod in list(modules_behind(run_function)) or scopes:
+        params.update((id(p), p) for p in mod.parameters())
+    if running:
+        params.update((id(p), p) for p, _ in running[-1])
+    with torch._C.DisableTorchFunction():  # the parameters' own flags, not a block's stand-ins
+        return tuple((p, p.requires_grad) for p in params.values())
 
 
-def _recompute(flags: tuple, run_function, *args):
+def _recompute(flags: tuple, run_function, *args, **kwargs):
     """A checkpoint's recomputation (in backward) with the flags its forward ran with: a
     context entered around the forward and left before the backward (a decorated training
     step whose loss is backpropagated after it returns) would otherwise record gradients for
@@ -148,14 +228,14 @@ def _recompute(flags: tuple, run_function, *args):
     the function remembers them in turn."""
     moved = [(p, flag) for p, flag in flags if p.requires_grad is not flag]
     if not moved:
-        return run_function(*args)
+        return run_function(*args, **kwargs)
     running = _LOCAL.__dict__.setdefault("running", [])
     running.append(flags)
     _want(recomputing=1)
     for p, flag in moved:
         p.requires_grad_(flag)
     try:
-        return run_function(*args)
+        return run_function(*args, **kwargs)
     finally:
         for p, flag in moved:
             p.requires_grad_(not flag)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import torch
 from torch import nn
 
 __all__ = ["check_bool", "check_callable", "refuse_lazy", "refuse_no_grad_dtype"]
@@ -49,4 +50,17 @@ def refuse_no_grad_dtype(path: str, p, consequence: str) -> None:
     if not (p.is_floating_point() or p.is_complex()):
         raise ValueError(
             f"parameter {path!r} has dtype {p.dtype}, which cannot require grad; {consequence}"
+        )
+
+
+def refuse_inference_tensor(path: str, p) -> None:
+    """``RuntimeError`` naming ``path`` when ``p`` is an inference tensor (made under
+    ``torch.inference_mode()``): outside that mode PyTorch refuses to turn its flag on, so a
+    flag written on it could not be restored."""
+    if not torch.nn.parameter.is_lazy(p) and p.is_inference():
+        raise RuntimeError(
+            f"parameter {path!r} is an inference tensor (created under torch.inference_mode()): "
+            "PyTorch refuses requires_grad=True on it outside inference mode, so a flag "
+            "torchstruct wrote could not be restored. Build the model outside inference_mode "
+            "(or replace its parameters with clones made outside it). No flag was changed."
         )

@@ -51,7 +51,7 @@ from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from . import _compile_caveats, _custom_functions, _state
+from . import _checkpoints, _compile_caveats, _custom_functions, _state
 from ._checks import check_bool, refuse_lazy
 from ._ops import run_eagerly
 from ._reference import _place
@@ -86,6 +86,7 @@ class _Substitute(TorchFunctionMode):
     """
 
     stands_in = True  # lifted while torchstruct works on the parameters (_state.LOCK)
+    ended = False  # the block has exited (a checkpoint recomputing inside it refuses then)
     wrapped = False  # whether the call being handled runs inside a torch.func transform
     aliases = False  # set by the block: whether the stand-ins share the parameters' memory
 
@@ -316,12 +317,15 @@ class _SubstituteBlock(_Context):
     def _apply(self) -> None:
         mode = _Substitute(self._table(), self.own, type(self).__name__)  # validates first
         mode.aliases = self.aliases
+        _checkpoints.watch_blocks(1)
         _state.push_stand_in(mode)
         self._mode = mode
 
     @run_eagerly
     def _undo(self) -> None:
         _leave(self, self._mode)
+        self._mode.ended = True
+        _checkpoints.watch_blocks(-1)
 
 
 def _leave(ctx, mode: TorchFunctionMode) -> None:

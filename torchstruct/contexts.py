@@ -202,7 +202,7 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
         nonlocal changes
         try:
             changes += st.apply(refuse)
-        except Exception as err:  # noqa: BLE001 - restoring: every tree first, then raise
+        except BaseException as err:  # noqa: BLE001 - restoring: every tree first, then raise
             if refuse:
                 raise
             errors.append(err)
@@ -315,11 +315,12 @@ def _born_frozen(entry: Entry) -> list[str]:
     if scope is None:
         return []
     inside = {id(p) for p in scope.parameters()}
-    out = []
+    out, seen = [], set()
     for path, (base, flag, _, rec) in hooks.state_for(scope).last.items():
         p = rec.p
-        if p is None or id(p) not in inside or base or flag:
+        if p is None or id(p) not in inside or base or flag or id(p) in seen:
             continue
+        seen.add(id(p))
         was = entry.present.get(id(p))
         if was is not None and was.p is p:
             continue
@@ -383,6 +384,8 @@ class RestoredFlagsWarning(UserWarning):
 class _Context:
     """Apply at construction, undo at ``__exit__``; as a decorator, apply per call."""
 
+    _depth = 0  # how many `with` blocks entered it and have not exited yet
+
     def __init__(self, *args, **kwargs) -> None:
         self._args, self._kwargs = args, kwargs
         self._active = False
@@ -399,9 +402,14 @@ class _Context:
         if not self._active:
             self._apply()
             self._active = True
+        self._depth += 1
         return self
 
     def __exit__(self, *exc) -> bool:
+        if self._depth > 1:  # the same object entered again inside its own block: the
+            self._depth -= 1  # outer block still holds it
+            return False
+        self._depth = 0
         if self._active:
             self._active = False
             self._undo()

@@ -118,7 +118,7 @@ def _still_named(module: nn.Module) -> frozenset[str] | None:
         if isinstance(names, (str, bytes)):
             return None
         return frozenset(n for n in names if isinstance(n, str) and n in own)
-    except Exception:  # noqa: BLE001 - a trainable() failing in its own code
+    except BaseException:  # noqa: BLE001 - a trainable() failing (or interrupted) in its own code
         return None
 
 
@@ -148,7 +148,7 @@ def _blocked(root: nn.Module, lenient: bool = False,
     def walk(mod: nn.Module, above: int) -> None:
         try:
             names = declared(mod)
-        except Exception:  # noqa: BLE001 - also a trainable() that fails in its own code
+        except BaseException:  # noqa: BLE001 - also a trainable() failing (or interrupted)
             if not lenient:
                 raise
             names = _still_named(mod)

@@ -31,7 +31,7 @@ from torch.nn.modules import module as _module_mod
 from torch.nn.modules.batchnorm import _NormBase
 
 from . import _compile_caveats, _state
-from ._checks import check_bool, refuse_no_grad_dtype
+from ._checks import check_bool, refuse_inference_tensor, refuse_no_grad_dtype
 from .declare import effective
 
 __all__ = ["attach", "detach_hooks"]
@@ -138,7 +138,8 @@ class State:
             error = None
             try:
                 idx, starts, flags = effective(root, self.last)
-            except Exception as err:  # noqa: BLE001 - an invalid or failing declaration
+            except BaseException as err:  # noqa: BLE001 - an invalid or failing declaration
+                # (or one interrupted: a KeyboardInterrupt while a context exits restores too)
                 if refuse:
                     raise
                 error = err  # restoring (a context exits): write what can be, then raise
@@ -155,6 +156,8 @@ class State:
                 if flag:
                     refuse_no_grad_dtype(path, p, "it cannot be made trainable (select "
                                          "floating-point parameters only). No flag was changed.")
+                if refuse:
+                    refuse_inference_tensor(path, p)
             for guard in _state.flag_guards if changes else ():
                 guard(changes, refuse)
             members = {}
@@ -169,9 +172,11 @@ class State:
                     if any(id(v) in moved for v in m._parameters.values()))
             self._release_leavers(members)
             self.members = members
+            # every path of a tied parameter: a conversion that unties it (new objects at
+            # each path) gives each copy the record of the parameter it replaces
             self.last = {
-                path: (starts[id(p)][0], flag, starts[id(p)][1], self.members[id(p)])
-                for path, p, flag in new
+                path: (starts[id(p)][0], flags[id(p)], starts[id(p)][1], members[id(p)])
+                for p, paths in zip(idx.params, idx.paths) for path in paths
             }
             modules = idx.module_objects
             self.module_ids = frozenset(map(id, modules))

@@ -69,6 +69,8 @@ def _tracked(t: Tensor) -> bool:
         if _fwad._current_level >= 0:  # traced code cannot see tangents: ask eagerly
             return _tracked_eagerly(t)
         return False
+    # enable_grad() inside inference_mode() turns grad mode on, and still records nothing
+    grad_mode = grad_mode and not torch.is_inference_mode_enabled()
     while True:
         if (grad_mode and t.requires_grad) or _has_tangent(t):
             return True
