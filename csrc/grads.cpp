@@ -6,7 +6,8 @@
 // the dispatcher's boxed arguments cost more than the reduction itself. This entry point reads
 // the gradients in C++ and calls the op unboxed. It handles only the plain case and returns None
 // for anything else (an element that is not a tensor, no gradient at all, input the kernel
-// refuses, a device other than CPU and CUDA, a tensor subclass such as DTensor): the caller then
+// refuses, a device other than CPU and CUDA, a tensor subclass such as DTensor, an inference
+// tensor): the caller then
 // takes the checked Python path, which explains the problem. The kernels check every input
 // before writing, so a refused call has written nothing; an error raised after the kernel began
 // to write (it counts its writes first: the first gradient's version counter moved) is raised,
@@ -54,8 +55,10 @@ PyObject* clip_grads(PyObject* /*self*/, PyObject* args) {
     if (!grad.defined()) continue;
     const c10::DeviceType device = grad.device().type();
     if ((device != c10::DeviceType::CPU && device != c10::DeviceType::CUDA) ||
-        grad.key_set().has(c10::DispatchKey::Python)) {
-      Py_RETURN_NONE;  // another device type, or a tensor subclass: the checked path
+        grad.key_set().has(c10::DispatchKey::Python) || grad.is_inference()) {
+      // another device type, a tensor subclass, or an inference tensor (it has no version
+      // counter to read below): the checked path
+      Py_RETURN_NONE;
     }
     grads.push_back(grad);
   }

@@ -7,8 +7,8 @@ install time): the same signatures, checks and semantics as
 instead of one Python loop per tensor.
 
 * ``global_norm``: ``torch._foreach_norm`` per dtype (fp16/bf16 accumulate in
-  float32, float64 in float64, everything on the CPU in float64 as the CPU
-  kernels do), then one reduction of the per-tensor norms.
+  float32, float64 in float64, everything on the CPU and every general p in
+  float64 as the kernels do), then one reduction of the per-tensor norms.
 * ``scale_``: ``torch._foreach_mul_`` by the 0-dim scale on the device (entry
   by entry, in list order, when entries share memory).
 * ``clip_by_global_norm_``: the two above; the coefficient never leaves the
@@ -106,8 +106,7 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
     nonempty = [t for t in tensors if t.numel() > 0]
     if not nonempty:
         return torch.zeros((), dtype=dtype, device=device)
-    # float64 on the CPU, as the reference and the CPU kernels accumulate there
-    acc = torch.float64 if device.type == "cpu" else dtype
+    acc = _reference.accumulate_dtype(device, dtype, p)
     parts = []
     with torch.no_grad():
         for group_dtype, idx in _by_dtype(nonempty).items():

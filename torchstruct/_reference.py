@@ -95,8 +95,8 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
 
     Returns a 0-dim tensor on the first tensor's device, float64 if any input is
     float64 else float32; ``torch.tensor(0.0)`` for an empty list. NaN anywhere
-    gives NaN (for every norm type), inf gives inf. Differentiable. On CPU the
-    reduction runs in float64; elsewhere in the result dtype.
+    gives NaN (for every norm type), inf gives inf. Differentiable. Accumulates in
+    :func:`accumulate_dtype`.
     """
     p = validate_norm_type(norm_type)
     tensors = validate_tensors(tensors, "global_norm")
@@ -105,7 +105,7 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
     device = tensors[0].device
     dtype = result_dtype(tensors)
     norms = [
-        torch.linalg.vector_norm(t, p, dtype=_accumulate_dtype(t, dtype))
+        torch.linalg.vector_norm(t, p, dtype=accumulate_dtype(t.device, dtype, p))
         for t in tensors
         if t.numel() > 0
     ]
@@ -114,11 +114,15 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
     return combine_norms(norms, p, device).to(dtype)
 
 
-def _accumulate_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    # PyTorch's CPU norm kernels lose ~1e-4 relative accuracy in float32 on
-    # millions of elements; on CPU accumulate in float64 (as the compiled CPU
-    # kernel does for its partial sums). Elsewhere the result dtype.
-    return torch.float64 if t.device.type == "cpu" else dtype
+def accumulate_dtype(device: torch.device, dtype: torch.dtype, p: float) -> torch.dtype:
+    """The dtype in which a norm of ``dtype`` results on ``device`` accumulates: float64 on
+    the CPU (PyTorch's CPU norm kernels lose ~1e-4 relative accuracy in float32 on millions
+    of elements; the compiled CPU kernel sums its partials in double) and for a general p
+    (not 1, 2 or inf) anywhere (|x|^p leaves float32's range for ordinary values once p is
+    large: 30000^10 overflows, 0.001^20 underflows); elsewhere ``dtype``."""
+    if device.type == "cpu" or p not in (1.0, 2.0, math.inf):
+        return torch.float64
+    return dtype
 
 
 # --------------------------------------------------------------------------- clipping

@@ -38,7 +38,7 @@ def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, dict):  # a tree: its leaves, a tensor held at several paths once
-        return list({id(t): t for t in tree.leaves(x)}.values())
+        return tree._distinct_leaves(x)
     if isinstance(x, Iterable):
         items = list(x)
         for i, t in enumerate(items):
@@ -55,8 +55,9 @@ def global_norm(x, norm_type: float = 2.0) -> torch.Tensor:
 
     Arguments:
         x: an ``nn.Module`` (the gradients of its trainable parameters), a tree or a flat
-            path-keyed dict (its leaves;
-            ``None`` leaves are skipped) or a tensor / iterable of tensors.
+            path-keyed dict (its leaves, a tensor held at several paths once as
+            ``ts.tree.flatten`` ties them; ``None`` leaves are skipped) or a tensor / iterable
+            of tensors (taken as given).
         norm_type: 1, 2, ``inf`` or any p > 0.
 
     Returns:
@@ -82,7 +83,7 @@ def _grads_to_clip(params) -> list[torch.Tensor]:
     if isinstance(params, nn.Module):
         return _model_grads(params)
     if isinstance(params, dict):  # a tree of gradients: its leaves, a shared tensor once
-        return list({id(t): t for t in tree.leaves(params)}.values())
+        return tree._distinct_leaves(params)
     if isinstance(params, torch.Tensor):
         return [params.grad] if params.grad is not None else []
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
@@ -135,7 +136,8 @@ def clip_by_global_norm(
             an ``nn.Module``: the gradients of its trainable parameters, a tied parameter once;
             a tree (nested ``dict``, or flat path-keyed ``dict``) of gradient tensors, e.g. from
             ``ts.structural_grad``: its
-            leaves themselves, a tensor held at several paths once (``None`` leaves skipped).
+            leaves themselves, a tensor held at several paths once (one object, or views of
+            the very same memory, as ``ts.tree.flatten`` ties them; ``None`` leaves skipped).
         max_norm: the largest allowed total norm, ``>= 0`` (``ValueError`` otherwise), read
             with ``float()`` as ``clip_grad_norm_`` reads it (a one-element tensor or a
             numeric string such as ``"1.0"`` is taken; ``"abc"`` or ``None`` is not).

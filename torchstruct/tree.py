@@ -167,6 +167,28 @@ def _same_tensor(a: Tensor, b: Tensor) -> bool:
     return a is b or ((key := _memory(a)) is not None and key == _memory(b))
 
 
+def _tie_keys(leaf: Tensor) -> tuple:
+    """What ties two leaves of a tree (one is stored, counted and scaled once): the very same
+    object, or, for a leaf that does not require grad, a view of the very same memory (a
+    ``state_dict``'s entries for a tied parameter). Leaves that require grad tie only as one
+    object: two views of one parameter may be meant as two inputs of a graph."""
+    memory = None if leaf.requires_grad else _memory(leaf)
+    return (id(leaf),) if memory is None else (id(leaf), memory)
+
+
+def _distinct_leaves(tree: Tree) -> list[Tensor]:
+    """The leaves of ``tree`` in the order of :func:`paths`, each tied tensor once (its first
+    path), as :func:`flatten` stores them."""
+    seen: set = set()
+    out = []
+    for _, leaf in _walk(tree):
+        keys = _tie_keys(leaf)
+        if seen.isdisjoint(keys):
+            seen.update(keys)
+            out.append(leaf)
+    return out
+
+
 def _prefixes(path: str) -> Iterator[str]:
     """The proper prefixes of a dotted path: ``"a.b.c"`` -> ``"a"``, ``"a.b"``."""
     parts = path.split(".")
@@ -430,7 +452,7 @@ def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
     """
     entries: list[LeafSpec] = []
     chunks: list[Tensor] = []
-    first_path: dict[int, str] = {}
+    first_path: dict = {}  # a tie key -> the first path holding it
     by_path: dict[str, LeafSpec] = {}
     dtype: torch.dtype | None = None
     device_path: tuple[str, torch.device] | None = None
@@ -453,15 +475,13 @@ def flatten(tree: Tree) -> tuple[Tensor, TreeSpec]:
                 f"flatten: the leaf at {path!r} is an uninitialized lazy parameter (an "
                 f"nn.Lazy* module before its first forward); run one forward first"
             )
-        # a tensor seen before, or (not requiring grad) a view of the same memory: tied
-        memory = None if leaf.requires_grad else _memory(leaf)
-        seen = first_path.get(id(leaf)) or (memory is not None and first_path.get(memory))
+        keys = _tie_keys(leaf)
+        seen = next((first_path[k] for k in keys if k in first_path), None)
         if seen:
             entry = dataclasses.replace(by_path[seen], path=path, alias_of=seen)
         else:
-            first_path[id(leaf)] = path
-            if memory is not None:
-                first_path.setdefault(memory, path)
+            for k in keys:
+                first_path.setdefault(k, path)
             entry = LeafSpec(path, leaf.shape, leaf.dtype, offset)
             offset += leaf.numel()
             chunks.append(leaf.reshape(-1))

@@ -3,8 +3,10 @@
 // Inside a chunk, elements are processed in blocks of kBlock with kLanes
 // independent accumulators (float for float/half/bfloat16 input, double for
 // double input), written so that g++ -O3 vectorizes them; every block is
-// flushed into a double. The chunk functions are compiled for baseline x86-64
-// and AVX2 (TS_TARGET_CLONES).
+// flushed into a double. A general p (not 1, 2 or inf) takes every power and
+// sum in double: |x|^p leaves float's range for ordinary values once p is
+// large (30000^10 overflows, 0.001^20 underflows). The chunk functions are
+// compiled for baseline x86-64 and AVX2 (TS_TARGET_CLONES).
 #include "norm.h"
 
 #include <ATen/Parallel.h>
@@ -80,10 +82,29 @@ TS_ALWAYS_INLINE double max_abs_block(const float* __restrict x, int64_t n) {
   return static_cast<double>(f);
 }
 
+template <typename T>
+TS_ALWAYS_INLINE double pow_block(const T* __restrict x, int64_t n, double p) {
+  double acc[kLanes];
+  for (int k = 0; k < kLanes; ++k) acc[k] = 0.0;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      acc[k] += std::pow(std::abs(static_cast<double>(x[i + k])), p);
+    }
+  }
+  for (; i < n; ++i) acc[0] += std::pow(std::abs(static_cast<double>(x[i])), p);
+  double out = 0.0;
+  for (int k = 0; k < kLanes; ++k) out += acc[k];
+  return out;
+}
+
 template <typename T, NormKind K>
-TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n, T p) {
+TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n, double p) {
   if constexpr (K == NormKind::kInf && std::is_same_v<T, float>) {
     return max_abs_block(x, n);
+  }
+  if constexpr (K == NormKind::kPow) {
+    return pow_block(x, n, p);
   }
   T acc[kLanes];
   T nonfinite[kLanes];
@@ -102,8 +123,6 @@ TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n, T p) {
         acc[k] += a;
       } else if constexpr (K == NormKind::kTwo) {
         acc[k] += a * a;
-      } else {
-        acc[k] += std::pow(a, p);
       }
     }
   }
@@ -115,8 +134,6 @@ TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n, T p) {
       acc[0] += a;
     } else if constexpr (K == NormKind::kTwo) {
       acc[0] += a * a;
-    } else {
-      acc[0] += std::pow(a, p);
     }
   }
   double out = 0.0;
@@ -147,8 +164,7 @@ TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c, double p) {
     case c10::kFloat: {
       const float* x = static_cast<const float*>(c.data);
       for (int64_t b = 0; b < c.numel; b += kBlock) {
-        acc = fold<K>(acc, reduce_block<float, K>(x + b, std::min(kBlock, c.numel - b),
-                                                  static_cast<float>(p)));
+        acc = fold<K>(acc, reduce_block<float, K>(x + b, std::min(kBlock, c.numel - b), p));
       }
       break;
     }
@@ -171,7 +187,7 @@ TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c, double p) {
           const c10::BFloat16* x = static_cast<const c10::BFloat16*>(c.data) + b;
           for (int64_t i = 0; i < n; ++i) buf[i] = load(x[i]);
         }
-        acc = fold<K>(acc, reduce_block<float, K>(buf, n, static_cast<float>(p)));
+        acc = fold<K>(acc, reduce_block<float, K>(buf, n, p));
       }
       break;
     }

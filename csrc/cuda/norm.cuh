@@ -12,7 +12,7 @@
 //     kChunk elements. The norm type is a template parameter (no branch in the
 //     loop); each thread reads 16-byte vectors (when the tensor is 16-byte
 //     aligned) into independent accumulators in acc_t (float for
-//     float/half/bfloat16, double for double); a block reduction writes the
+//     float/half/bfloat16, double for double and for a general p); a block reduction writes the
 //     block's partial into its slot of a double workspace.
 //  3. The caller reduces the partials on the device (see `reduce_partials`).
 #pragma once
@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace torchstruct {
@@ -250,20 +251,23 @@ void launch_partials_of(const Group& g, double p, double* partials, cudaStream_t
 template <NormKind K>
 void launch_partials_kind(const Plan& plan, double p, double* partials, cudaStream_t stream,
                           const char* op) {
+  // a general p takes its powers and sums in double: |x|^p leaves float's range for ordinary
+  // values once p is large (30000^10 overflows, 0.001^20 underflows)
+  using acc_t = std::conditional_t<K == NormKind::kPow, double, float>;
   for (const Group& g : plan.groups) {
     double* gp = partials + g.partial_offset;
     switch (g.dtype) {
       case c10::kFloat:
-        launch_partials_of<K, float, float>(g, p, gp, stream);
+        launch_partials_of<K, float, acc_t>(g, p, gp, stream);
         break;
       case c10::kDouble:
         launch_partials_of<K, double, double>(g, p, gp, stream);
         break;
       case c10::kHalf:
-        launch_partials_of<K, c10::Half, float>(g, p, gp, stream);
+        launch_partials_of<K, c10::Half, acc_t>(g, p, gp, stream);
         break;
       case c10::kBFloat16:
-        launch_partials_of<K, c10::BFloat16, float>(g, p, gp, stream);
+        launch_partials_of<K, c10::BFloat16, acc_t>(g, p, gp, stream);
         break;
       default:
         TORCH_CHECK(false, op, ": unsupported dtype ", g.dtype);
