@@ -380,10 +380,6 @@ def test_backward_in_another_thread_after_a_reentrant_checkpoint_in_a_block():
     assert all(flags(net)) and all(flags(other))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: structural_grad(wrt=) saves and restores a raw snapshot of flags/records "
-    "(grad.py _only.__enter__/_restore): two threads on one model end with flags frozen "
-    "while no context is active and reads say trainable"))
 def test_two_threads_structural_grad_wrt_on_the_same_model_end_restored():
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
     ts.attach(m)
@@ -936,11 +932,6 @@ def test_keyboard_interrupt_from_a_declaration_during_exit_still_restores():
     assert flags(m) == start == reads(m)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: structural_grad(wrt=)'s flag block restores a raw snapshot at exit (grad.py "
-    "_only._restore), overwriting what torchstruct itself changed during the loss call: a "
-    "schedule step, a bare context entered or one lifted there is silently undone/reverted "
-    "(flags disagree with reads; a forward does not repair it)"))
 @pytest.mark.parametrize("case", ["schedule_step", "bare_freeze", "lift_outer"])
 def test_structural_grad_wrt_with_flag_changes_inside_the_loss(case):
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))

@@ -5,8 +5,8 @@ recomputes the function and runs an inner backward out of sight of the graph, so
 the function uses have no edge from the node (used by structural gradients and by the DDP
 check of blocks). Both forms recompute the function in backward, possibly after a context or
 block around their forward has ended: while one is active, the recomputation is made to run
-with the flags the forward ran with (contexts), or refused (``stop_gradient`` / ``swap``
-blocks left before the backward)."""
+with the flags the forward ran with (contexts), and inside the ``stop_gradient`` / ``swap``
+blocks the forward ran in (also those left before the backward)."""
 from __future__ import annotations
 
 import functools
@@ -125,8 +125,8 @@ def keep_flags(on: bool) -> None:
 
 def watch_blocks(count: int) -> None:
     """A ``stop_gradient`` / ``swap`` block was entered (``count`` 1) or left (-1): while any is
-    active, a non-reentrant checkpoint whose forward runs inside blocks refuses to recompute
-    once one of them has ended (the recomputation would run without its stand-ins)."""
+    active, a non-reentrant checkpoint whose forward runs inside blocks recomputes inside them,
+    also once they have ended."""
     _want(blocks=count)
 
 
@@ -163,23 +163,15 @@ def _stand_ins() -> list:
 
 
 def _blocks_kept(fn):
-    """A non-reentrant checkpoint's function, recomputed inside the blocks its forward ran in
-    (a backward called inside a block runs without it: torch calls it from the block's own
-    handler), or refused when one of them has ended."""
+    """A non-reentrant checkpoint's function, recomputed inside the blocks its forward ran in:
+    those still active (a backward called inside a block runs without it: torch calls it from
+    the block's own handler) and those that have exited since (a block's mode keeps what it
+    stands in for), so that the recomputation is the forward again."""
     modes = _stand_ins()
     return functools.partial(_recompute_in_blocks, modes, fn) if modes else fn
 
 
 def _recompute_in_blocks(modes: list, fn, *args, **kwargs):
-    gone = [m for m in modes if m.ended]
-    if gone:
-        kind = gone[0].kind
-        raise RuntimeError(
-            f"{kind}: an activation checkpoint (torch.utils.checkpoint, use_reentrant=False) "
-            f"ran its forward inside a {kind} block and is recomputed in a backward that runs "
-            "after the block has exited: the recomputation would not see the block's stand-ins, "
-            "and the gradients would be wrong. Run the backward inside the block, or enter the "
-            "block inside the checkpointed function.")
     now = _stand_ins()
     missing = [m for m in modes if not any(m is n for n in now)]
     for mode in missing:

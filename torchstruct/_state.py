@@ -15,6 +15,7 @@ Everything torchstruct remembers between calls lives here, and nowhere else:
   ``applied_through`` applied, so those no longer apply to it: the write stands until they are
   lifted (later ones still apply on top of it).
 - ``frozen_norms``: the normalization layers whose running statistics are held right now.
+- ``held_flags``: the flags of the ``structural_grad(wrt=)`` calls whose loss runs now.
 - ``flag_guards``: callbacks consulted before flags change (``torchstruct.distributed``).
 
 **No weak reference to a parameter.** ``torch.utils.swap_tensors`` (what ``module.to()``,
@@ -338,6 +339,22 @@ def note_writes() -> None:
         p = hit.p
         if p is not None and p.requires_grad is not hit.written:
             hit.base, hit.written, hit.since = _read(hit, p)
+
+# the structural_grad(wrt=) blocks whose loss runs now, oldest first: each has ``flags``, a dict
+# id(parameter) -> (parameter, the flag the block holds it at). An application writes these
+# over the effective flags while the block runs (reads are the model's true trainability);
+# the newest block holding a parameter wins.
+held_flags: list = []
+
+
+def held_flag(p) -> bool | None:
+    """The flag the newest running ``structural_grad(wrt=)`` block holds ``p`` at, or None."""
+    for block in reversed(held_flags):
+        hit = block.flags.get(id(p))
+        if hit is not None and hit[0] is p:
+            return hit[1]
+    return None
+
 
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began, the version of its
 # running_mean then): layers whose running statistics are held now

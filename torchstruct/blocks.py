@@ -86,7 +86,6 @@ class _Substitute(TorchFunctionMode):
     """
 
     stands_in = True  # lifted while torchstruct works on the parameters (_state.LOCK)
-    ended = False  # the block has exited (a checkpoint recomputing inside it refuses then)
     wrapped = False  # whether the call being handled runs inside a torch.func transform
     aliases = False  # set by the block: whether the stand-ins share the parameters' memory
 
@@ -324,7 +323,6 @@ class _SubstituteBlock(_Context):
     @run_eagerly
     def _undo(self) -> None:
         _leave(self, self._mode)
-        self._mode.ended = True
         _checkpoints.watch_blocks(-1)
 
 

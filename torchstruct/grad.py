@@ -29,7 +29,9 @@ Rules shared by all three:
   are averaged over the ranks, as ``backward()`` leaves them (see :mod:`.distributed`).
 - When ``loss`` is a callable and ``wrt`` is given, the forward runs with exactly the asked
   parameters requiring grad (every other parameter of the model has ``requires_grad=False``
-  during the call; all flags are restored afterwards, also when the call raises). Declarations
+  during the call). Afterwards, also when the call raises, each flag the call wrote is what it
+  would be without the call: a change made inside the loss (a context entered or lifted, a
+  schedule step, a flag written by hand) stands, as inside any torchstruct block. Declarations
   and contexts are not consulted for that call, and normalization statistics behave exactly as
   they would outside it, so the loss value is the same as ``loss(model)``. With
   ``create_graph=True`` the asked parameters are switched on and every other flag stays as it
@@ -55,7 +57,7 @@ from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, recor
 from ._compile_caveats import flags_changed, only_inlined
 from ._reference import _place
 from .distributed import average_gradients, ddp_wrapper
-from .declare import starting_flag, trainable_parameters
+from .declare import _effective_of, starting_flag, trainable_parameters
 from .hooks import apply_pending
 from .select import index, select
 
@@ -97,45 +99,73 @@ class _only:
 
     The flags written here are recorded as torchstruct's own (the starting flags stay), so
     trainability read inside the block (``ts.trainable_parameters`` in a loss term) is the
-    model's true one, not this block's. Every flag and record is restored on exit, also when
-    the block raises.
+    model's true one, not this block's; an application inside the block (a context entered
+    in the loss, a registration) keeps the block's flags (``_state.held_flags``). On exit,
+    also when the block raises, each flag the block wrote becomes what it would be without
+    the block, computed then: what torchstruct itself changed during the call (a context
+    entered or lifted, a schedule step) stands, and so does a write by someone else; a block
+    of another thread still running keeps its flags. A block whose asked parameter another
+    thread's block switched off meanwhile raises: its forward may have missed that parameter.
     """
 
     def __init__(self, model: nn.Module, asked: Pairs, keep_others: bool = False) -> None:
         self.model = model
         self.params = index(model).params
-        self.ids = {id(p) for _, p in asked}
+        self.paths = {id(p): path for path, p in asked}
         self.keep_others = keep_others
+        self.flags: dict = {}  # id -> (parameter, the flag held), while the block runs
+        self.overridden: str | None = None  # an asked path another block switched off
 
     def __enter__(self) -> None:
         with _state.LOCK:  # (stand-ins lifted)
             apply_pending(self.model)  # else the hook would apply during the call
-            self.before = [(p.requires_grad, _state.record(p)) for p in self.params]
-            done = 0
+            self.flags = {id(p): (p, id(p) in self.paths) for p in self.params
+                          if id(p) in self.paths or not self.keep_others}
+            for older in _state.held_flags:  # an older block's asked parameter switched off
+                if older.overridden is None:
+                    older.overridden = next((older.paths[i] for i, (_, on) in self.flags.items()
+                                             if not on and i in older.paths), None)
+            _state.held_flags.append(self)
             try:
-                for p in self.params:
-                    if id(p) in self.ids or not self.keep_others:
-                        base, since, _ = starting_flag(p, "", {})
-                        p.requires_grad_(id(p) in self.ids)
-                        _state.set_record(p, base, id(p) in self.ids, since)
-                    done += 1
+                for p, flag in self.flags.values():
+                    base, since, _ = starting_flag(p, "", {})
+                    if p.requires_grad is not flag:
+                        p.requires_grad_(flag)
+                    _state.set_record(p, base, flag, since)
             except BaseException:  # e.g. an unmaterialized lazy parameter: nothing changed
-                self._restore(done + 1)
+                self._leave()
                 raise
             flags_changed(self.model.modules())  # compiled code called in the loss sees them
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         with _state.LOCK:  # (stand-ins lifted)
-            self._restore(len(self.params))
+            self._leave()
+        if self.overridden is not None and exc_type is None:
+            raise RuntimeError(
+                f"structural_grad: another structural_grad(wrt=...) call on this model, in "
+                f"another thread, switched {self.overridden!r} off while this call's loss ran, "
+                "so the forward may have missed it and its gradient cannot be trusted; run "
+                "such calls one after another (or each on its own copy of the model)"
+            )
 
-    def _restore(self, count: int) -> None:
-        for p, (flag, rec) in zip(self.params[:count], self.before):
+    def _leave(self) -> None:
+        """Every flag this block wrote back to what it is without the block (see above)."""
+        if self in _state.held_flags:
+            _state.held_flags.remove(self)
+        governed = {i for st in _state.live_states() for i, rec in st.members.items()
+                    if rec.p is not None}
+        truth = _effective_of(self.model)[1] if not governed.isdisjoint(self.flags) else {}
+        for i, (p, _) in self.flags.items():
+            base, since, _ = starting_flag(p, "", {})
+            held = _state.held_flag(p)
+            flag = held if held is not None else truth.get(i, base) if i in governed else base
             if p.requires_grad is not flag:
                 p.requires_grad_(flag)
-            if rec is None:
-                _state.forget(p)
+            if i in governed or held is not None:
+                _state.set_record(p, base, flag, since)
             else:
-                _state.set_record(p, *rec)
+                _state.forget(p)
+        self.flags = {}
         flags_changed(self.model.modules())
 
 

@@ -144,6 +144,10 @@ class State:
                     raise
                 error = err  # restoring (a context exits): write what can be, then raise
                 idx, starts, flags = effective(root, self.last, lenient=True)
+            if _state.held_flags:  # a structural_grad(wrt=) loss runs: its flags hold
+                for p in idx.params:
+                    if (held := _state.held_flag(p)) is not None:
+                        flags[id(p)] = held
             if not all(isinstance(p, nn.Parameter) for p in idx.params):
                 # tensors standing in for parameters (torch.func.functional_call): not ours to
                 # write; applied once the parameters are back (by the root's forward, or
