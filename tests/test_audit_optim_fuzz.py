@@ -755,11 +755,6 @@ def test_fuzz_repeated_and_tied_parameters(backend, name, data):
     assert set(sd["state"]) == expect
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: with a parameter listed twice in a group, state_dict() keys its mask by the "
-    "parameter's FIRST index (_base.py _param_order: order.setdefault) while torch numbers it "
-    "by its LAST index in the group; the mask is not carried in its state entry and "
-    "load_state_dict of the optimizer's own state dict raises ValueError"))
 @pytest.mark.parametrize("name", ["SGD", "AdamW"])
 def test_repeated_parameter_mask_survives_state_dict(backend, name):
     ts_cls = CLASSES[name][0]

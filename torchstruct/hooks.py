@@ -245,10 +245,12 @@ class State:
             self.hook.remove()
             self.hook = None
         self._drop_below()
-        for key, (_, handles) in self.norm_hooks.items():
+        for key, (ref, handles) in self.norm_hooks.items():
             for h in handles:
                 h.remove()
             _state.frozen_norms.pop(key, None)
+            if (mod := ref()) is not None:
+                _norm_post(mod, (), None)  # the hold ended: a mode left by a forward, back
         self.norm_hooks.clear()
 
     def _norm_stats_frozen(self, mod: nn.Module) -> bool:
@@ -292,6 +294,8 @@ class State:
                 _state.frozen_norms.pop(key, None)
             elif key not in want:
                 _state.frozen_norms.pop(key, None)  # not held now: the hooks pass
+            if mod is not None and key not in want:
+                _norm_post(mod, (), None)  # the hold ended: a mode left by a forward, back
         for key, mod in want.items():
             if key not in self.norm_hooks:
                 self.norm_hooks[key] = (weakref.ref(mod), [
@@ -558,17 +562,26 @@ def _refuse_reset(module: nn.Module) -> None:
     _state.frozen_norms[key] = (ref, momentum, _stats_version(module))
 
 
+_WAS_TRAINING = "_torchstruct_was_training"  # a held layer's mode while its forward runs
+
+
 def _norm_pre(module: nn.Module, _args) -> None:
     # Only a layer a live state holds, never a copy's; once per forward, also when the layer
     # carries several pairs of these hooks (shared by two models, or a copy attached itself).
-    if _held(module) and "_torchstruct_was_training" not in module.__dict__:
+    if not _held(module):
+        _norm_post(module, _args, None)  # a mode left by an interrupted forward: back
+    elif _WAS_TRAINING not in module.__dict__:
         _refuse_reset(module)
-        module.__dict__["_torchstruct_was_training"] = module.training
+        module.__dict__[_WAS_TRAINING] = module.training
         module.training = False  # normalize with, and never update, the running statistics
 
 
 def _norm_post(module: nn.Module, _args, _out) -> None:
-    was = module.__dict__.pop("_torchstruct_was_training", None)
+    """The layer's mode back after its forward. torch runs this hook (``always_call``) after a
+    forward that raised an Exception, not after a BaseException (``KeyboardInterrupt``): the
+    mode such a forward left is put back when the hold ends (``State._sync_norm_hooks``) or
+    at the layer's next forward, whichever comes first."""
+    was = module.__dict__.pop(_WAS_TRAINING, None)
     if was is not None:
         module.training = was
 

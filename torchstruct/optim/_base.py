@@ -395,13 +395,21 @@ class MaskedOptimizer(torch.optim.Optimizer):
         return masks
 
     def _param_order(self) -> Dict[int, int]:
-        """id(param) -> its index in a state dict (torch's numbering)."""
+        """id(param) -> its index in a state dict, numbered as ``torch.optim.Optimizer.
+        state_dict`` numbers it (its ``"state"`` keys and packed ``"params"``): positions
+        count on through the groups; a parameter listed more than once in a group gets its
+        LAST position there, and one already numbered in an earlier group keeps that index.
+        ``"masks"`` and the masks carried in ``"state"`` are keyed by it, so
+        ``_saved_index`` (torch's ``load_state_dict`` mapping) reads each back to its
+        parameter."""
         order: Dict[int, int] = {}
         start = 0
         for group in self.param_groups:
-            for i, p in enumerate(group["params"], start):
-                order.setdefault(id(p), i)
-            start += len(group["params"])
+            params = group["params"]
+            # torch's own expression: the filter reads the mapping as it was before this group,
+            # so within the group a later position of the same tensor overwrites an earlier one
+            order.update({id(p): i for i, p in enumerate(params, start) if id(p) not in order})
+            start += len(params)
         return order
 
     def _saved_index(self, state_dict) -> Optional[Dict[int, torch.Tensor]]:
