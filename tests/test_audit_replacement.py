@@ -615,11 +615,6 @@ def test_remove_parametrizations_inside_freeze_keeps_the_parameter(name):
     assert agree(m) == [True] * 4
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: remove_parametrizations(leave_parametrized=True) of weight_norm inside a block that "
-    "froze the originals: PyTorch reads the block's flag (False) and registers the weight as a "
-    "plain buffer, so it can never train after the block; no warning names it (the "
-    "RestoredFlagsWarning names only '0.bias')"))
 def test_remove_weight_norm_inside_freeze_does_not_silently_lose_the_weight():
     m = two_layers()
     parametrizations.weight_norm(m[0])

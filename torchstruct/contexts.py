@@ -253,10 +253,11 @@ def pop(entry: Entry) -> None:
             changes = _apply_around(entry, refuse=False)
             grown = registrations != entry.registrations
             born = _born_frozen(entry) if grown else []
+            left = _left_frozen(entry) if grown else []
         finally:
             entry.end()
     if grown:
-        _warn_undone(entry, [path for path, _, flag in changes if flag], born)
+        _warn_undone(entry, [path for path, _, flag in changes if flag], born, left)
 
 
 def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
@@ -330,16 +331,37 @@ def _born_frozen(entry: Entry) -> list[str]:
     return out
 
 
+def _left_frozen(entry: Entry) -> list[str]:
+    """Paths (as when the block was entered) of the parameters whose starting flag is on,
+    that the block froze, and that left its scope's tree inside the block (call under the
+    lock, after the exit's application, before the entry ends)."""
+    scope = entry.scope()
+    if scope is None or entry.kind == "unfreeze":
+        return []
+    now = hooks.state_for(scope).members
+    key_of = {id(rec): key for key, rec in entry.present.items()}
+    out = []
+    for path, (base, _, _, rec) in entry.present_paths.items():
+        key = key_of.get(id(rec))
+        hit = entry.decided.get(key)
+        if not base or key is None or key in now or hit is None:
+            continue
+        if hit[1] is (entry.kind == "freeze"):  # selected by freeze, not by freeze_except
+            out.append(path)
+    return out
+
+
 def _names(paths: list[str]) -> str:
     more = f" and {len(paths) - 5} more" if len(paths) > 5 else ""
     return ", ".join(repr(p) for p in paths[:5]) + more
 
 
-def _warn_undone(entry: Entry, turned_on: list[str], born: list[str]) -> None:
+def _warn_undone(entry: Entry, turned_on: list[str], born: list[str], left: list[str]) -> None:
     """Leaving a block in which modules were added: a same-value ``requires_grad_(False)``
     written inside it (``get_peft_model`` freezing the base model) cannot be told apart from
     the block's own freezing, and is undone; a parameter created inside it may have copied
-    the flag the block wrote (a parametrization such as ``weight_norm``) and stays frozen.
+    the flag the block wrote (a parametrization such as ``weight_norm``) and stays frozen; a
+    frozen parameter that left may have been replaced by something that copied its flag.
     Say so, naming the parameters."""
     said = []
     if turned_on:
@@ -357,6 +379,15 @@ def _warn_undone(entry: Entry, turned_on: list[str], born: list[str]) -> None:
             "parameter the block froze (a parametrization such as weight_norm copies it), "
             "unfreeze them after the block (ts.unfreeze(model, ...) without `with`), or make "
             "the change outside the block."
+        )
+    if left:
+        said.append(
+            f"{len(left)} parameter(s) the block froze left the model inside it: "
+            f"{_names(left)}. If code put something in their place that copied the flag the "
+            "block wrote (remove_parametrizations(leave_parametrized=True) of a "
+            "parametrization with several originals, such as weight_norm, registers a result "
+            "that does not require grad as a buffer), it does not train now: make that change "
+            "outside the block, or register it as a trainable parameter again."
         )
     if said:
         warnings.warn(
