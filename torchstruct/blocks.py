@@ -325,6 +325,23 @@ class _SubstituteBlock(_Context):
         _leave(self, self._mode)
         _checkpoints.watch_blocks(-1)
 
+    def _above(self) -> list:
+        stack = torch.overrides._get_current_function_mode_stack()
+        at = next((i for i, m in enumerate(stack) if m is self._mode), len(stack))
+        return [m for m in stack[at + 1:] if getattr(m, "stands_in", False)]
+
+    def _sink_below(self, items: list) -> None:
+        stack = torch.overrides._get_current_function_mode_stack()
+        first = next((i for i, m in enumerate(stack) if any(m is x for x in items)), None)
+        mine = next((i for i, m in enumerate(stack) if m is self._mode), None)
+        if first is None or mine is None or mine < first:
+            return
+        popped = [torch._C._pop_torch_function_stack() for _ in range(len(stack) - first)]
+        popped.reverse()  # bottom first: the modes from `first` up, this block's last
+        popped.insert(0, popped.pop(popped.index(self._mode)))
+        for mode in popped:
+            torch._C._push_on_torch_function_stack(mode)
+
 
 def _leave(ctx, mode: TorchFunctionMode) -> None:
     """Take ``mode`` off this thread's torch function mode stack, wherever it is: modes

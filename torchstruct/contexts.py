@@ -480,25 +480,55 @@ class _Context:
 
     def _resumed(self, gen):
         """Run ``gen`` (a generator or a coroutine) to its end with a fresh context around
-        each of its resumptions; what it yields is yielded, what it returns is returned."""
+        each of its resumptions; what it yields is yielded, what it returns is returned.
+
+        Blocks the body entered after the context and still holds across a suspension stay
+        inner to it: each fresh context goes below them (they win, as in one long block)."""
+        held: list = []
         try:
-            with self._fresh():
+            with self._resumption(held):
                 response = gen.send(None)
             while True:
                 try:
                     request = yield response
                 except GeneratorExit:
-                    with self._fresh():
+                    with self._resumption(held):
                         gen.close()
                     raise
                 except BaseException as err:  # noqa: BLE001 - thrown in: passed on
-                    with self._fresh():
+                    with self._resumption(held):
                         response = gen.throw(err)
                 else:
-                    with self._fresh():
+                    with self._resumption(held):
                         response = gen.send(request)
         except StopIteration as stop:
             return stop.value
+
+    @contextlib.contextmanager
+    def _resumption(self, held: list):
+        """A fresh context for one resumption, below ``held`` (what was above the previous
+        one when it ended: blocks the body entered then and may still hold); ``held`` is
+        updated when this one ends."""
+        ctx = self._fresh()
+        try:
+            ctx._sink_below(held)
+        except BaseException:
+            ctx.__exit__(None, None, None)
+            raise
+        with ctx:
+            try:
+                yield
+            finally:
+                held[:] = ctx._above()
+
+    # the stack a context kind lives in (flag contexts: torchstruct's stack of contexts;
+    # stop_gradient / swap: the thread's torch function modes); by default order is moot
+    def _above(self) -> list:
+        """What was entered after this context, in its kind's stack, and is active now."""
+        return []
+
+    def _sink_below(self, items: list) -> None:
+        """Move this (active) context below the first of ``items`` still active."""
 
 
 class _Awaiting:
@@ -557,6 +587,22 @@ class _FlagContext(_Context):
 
     def _undo(self) -> None:
         pop(self._entry)
+
+    def _above(self) -> list:
+        entries = _state.entries
+        at = next((i for i, e in enumerate(entries) if e is self._entry), len(entries))
+        return entries[at + 1:]
+
+    def _sink_below(self, items: list) -> None:
+        with _changing_entries():
+            entries = _state.entries
+            first = next((i for i, e in enumerate(entries) if any(e is x for x in items)), None)
+            mine = next((i for i, e in enumerate(entries) if e is self._entry), None)
+            if first is None or mine is None or mine < first:
+                return
+            entries.pop(mine)
+            entries.insert(first, self._entry)
+            _apply_around(self._entry, refuse=False)
 
 
 class freeze(_FlagContext):
