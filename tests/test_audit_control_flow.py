@@ -965,6 +965,31 @@ def test_keyboard_interrupt_from_a_declaration_during_exit_still_restores():
     assert flags(m) == start == reads(m)
 
 
+def test_structural_grad_wrt_whose_loss_makes_a_declaration_invalid_restores_then_raises():
+    """A declaration the loss made invalid (its child deleted): every flag the call wrote is
+    written first (the declaration admitting what it still names, as a context's exit does),
+    then the declaration's error is raised."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 1)
+
+        def trainable(self):
+            return ["b"]
+
+    m = Net()
+    ts.attach(m)
+    x = torch.randn(3, 2)
+
+    def loss(mm):
+        del mm.b
+        return mm.a(x).sum()
+
+    with pytest.raises(ValueError, match="no direct parameter or child module 'b'"):
+        ts.structural_grad(m, loss, wrt="a")
+    assert flags(m) == [False, False]
+
+
 @pytest.mark.parametrize("case", ["schedule_step", "bare_freeze", "lift_outer"])
 def test_structural_grad_wrt_with_flag_changes_inside_the_loss(case):
     m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))

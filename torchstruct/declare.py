@@ -313,14 +313,14 @@ def _governing_root(model: nn.Module) -> nn.Module:
     return model
 
 
-def _effective_of(model: nn.Module) -> tuple[ParamIndex, dict[int, bool]]:
+def _effective_of(model: nn.Module, lenient: bool = False) -> tuple[ParamIndex, dict[int, bool]]:
     """``model``'s parameter index and effective flags, declarations read from its governing
-    root down. Writes nothing."""
+    root down (``lenient``: as :func:`effective`). Writes nothing."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     root = _governing_root(model)
     st = _state.state_of(root)
-    idx, _, flags = effective(root, st.last if st is not None else None)
+    idx, _, flags = effective(root, st.last if st is not None else None, lenient)
     return (idx if root is model else index(model)), flags
 
 

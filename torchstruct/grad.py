@@ -154,7 +154,13 @@ class _only:
             _state.held_flags.remove(self)
         governed = {i for st in _state.live_states() for i, rec in st.members.items()
                     if rec.p is not None}
-        truth = _effective_of(self.model)[1] if not governed.isdisjoint(self.flags) else {}
+        truth, error = {}, None
+        if not governed.isdisjoint(self.flags):
+            try:
+                truth = _effective_of(self.model)[1]
+            except BaseException as err:  # noqa: BLE001 - a declaration that became invalid
+                # (or fails) in the loss: every flag written first, as a context's exit does
+                error, truth = err, _effective_of(self.model, lenient=True)[1]
         for i, (p, _) in self.flags.items():
             base, since, _ = starting_flag(p, "", {})
             held = _state.held_flag(p)
@@ -167,6 +173,8 @@ class _only:
                 _state.forget(p)
         self.flags = {}
         flags_changed(self.model.modules())
+        if error is not None:
+            raise error
 
 
 def _check_loss(loss) -> torch.Tensor:
