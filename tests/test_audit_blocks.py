@@ -487,6 +487,35 @@ def test_checkpoint_non_reentrant_recomputed_after_the_block_matches_no_checkpoi
     assert (got[1][1] is None) == (kind == "stop_gradient")  # a swap's stand-in gets one
 
 
+@pytest.mark.parametrize("first", ["context", "block"])
+@pytest.mark.parametrize("after", [False, True])
+def test_checkpoint_recomputed_in_a_block_with_a_flag_context_active_keeps_the_flags(first,
+                                                                                    after):
+    """A flag context active elsewhere makes checkpoints remember their flags; the
+    recomputation runs inside the block the forward ran in, where a parameter reads its
+    stand-in's flag: the flags remembered and set back are the parameters' own, whichever
+    was switched on first (the wrappers compose in that order), so none is left frozen."""
+    other = nn.Linear(2, 2)
+    torch.manual_seed(0)
+    m, x = nn.Linear(4, 4), torch.randn(4, 4, requires_grad=True)
+    want, = torch.autograd.grad(torch.tanh(nn.functional.linear(
+        x, m.weight.detach(), m.bias)).pow(2).sum(), x)
+    hold = ts.freeze(other) if first == "context" else None
+    try:
+        with ts.stop_gradient(m, "weight"):
+            hold = hold or ts.freeze(other)
+            y = checkpoint(m, x, use_reentrant=False)
+            if not after:
+                got, = torch.autograd.grad(torch.tanh(y).pow(2).sum(), x)
+        if after:
+            got, = torch.autograd.grad(torch.tanh(y).pow(2).sum(), x)
+    finally:
+        hold.__exit__(None, None, None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert m.weight.requires_grad and m.bias.requires_grad
+    assert ts.is_trainable(m, "weight") and all(p.requires_grad for p in other.parameters())
+
+
 @pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
 def test_checkpoint_non_reentrant_recomputed_inside_the_block_matches_no_checkpoint(kind):
     torch.manual_seed(0)

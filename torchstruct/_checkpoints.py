@@ -217,19 +217,23 @@ def _recompute(flags: tuple, run_function, *args, **kwargs):
     step whose loss is backpropagated after it returns) would otherwise record gradients for
     parameters the forward had frozen, or none for those it trained. Flags that moved since
     are set back for the recomputation only, and restored after it; a checkpoint nested in
-    the function remembers them in turn."""
-    moved = [(p, flag) for p, flag in flags if p.requires_grad is not flag]
+    the function remembers them in turn. The parameters' own flags are read and written, not
+    those of a block's stand-ins (this may run inside the blocks the forward ran in)."""
+    with torch._C.DisableTorchFunction():
+        moved = [(p, flag) for p, flag in flags if p.requires_grad is not flag]
     if not moved:
         return run_function(*args, **kwargs)
     running = _LOCAL.__dict__.setdefault("running", [])
     running.append(flags)
     _want(recomputing=1)
-    for p, flag in moved:
-        p.requires_grad_(flag)
+    with torch._C.DisableTorchFunction():
+        for p, flag in moved:
+            p.requires_grad_(flag)
     try:
         return run_function(*args, **kwargs)
     finally:
-        for p, flag in moved:
-            p.requires_grad_(not flag)
+        with torch._C.DisableTorchFunction():
+            for p, flag in moved:
+                p.requires_grad_(not flag)
         running.pop()
         _want(recomputing=-1)
