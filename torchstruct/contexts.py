@@ -257,7 +257,7 @@ def pop(entry: Entry) -> None:
         finally:
             entry.end()
     if grown:
-        _warn_undone(entry, [path for path, _, flag in changes if flag], born, left)
+        warn_undone(f"ts.{entry.kind}", [path for path, _, flag in changes if flag], born, left)
 
 
 def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
@@ -356,8 +356,8 @@ def _names(paths: list[str]) -> str:
     return ", ".join(repr(p) for p in paths[:5]) + more
 
 
-def _warn_undone(entry: Entry, turned_on: list[str], born: list[str], left: list[str]) -> None:
-    """Leaving a block in which modules were added: a same-value ``requires_grad_(False)``
+def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[str]) -> None:
+    """Leaving ``block`` (its name, for the message), in which modules were added: a same-value ``requires_grad_(False)``
     written inside it (``get_peft_model`` freezing the base model) cannot be told apart from
     the block's own freezing, and is undone; a parameter created inside it may have copied
     the flag the block wrote (a parametrization such as ``weight_norm``) and stays frozen; a
@@ -391,7 +391,7 @@ def _warn_undone(entry: Entry, turned_on: list[str], born: list[str], left: list
         )
     if said:
         warnings.warn(
-            f"leaving ts.{entry.kind}: modules or parameters were added to the model inside the "
+            f"leaving {block}: modules or parameters were added to the model inside the "
             "block, and " + " Also, ".join(said),
             RestoredFlagsWarning,
             stacklevel=_outside_level(),

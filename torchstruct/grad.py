@@ -57,6 +57,7 @@ from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, recor
 from ._compile_caveats import flags_changed, only_inlined
 from ._reference import _place
 from .distributed import average_gradients, ddp_wrapper
+from .contexts import warn_undone
 from .declare import _effective_of, starting_flag, trainable_parameters
 from .hooks import apply_pending
 from .select import index, select
@@ -95,7 +96,9 @@ def _asked(model: nn.Module, wrt) -> Pairs:
 
 class _only:
     """Within the block, exactly the ``asked`` parameters of ``model`` require grad (with
-    ``keep_others``: the asked ones are switched on and every other flag stays as it is).
+    ``keep_others``: the asked ones are switched on and every other flag stays as it is; with
+    ``watch`` as well, only the asked ones that are off now are written: a call without
+    ``wrt``, whose asked parameters are the trainable ones).
 
     The flags written here are recorded as torchstruct's own (the starting flags stay), so
     trainability read inside the block (``ts.trainable_parameters`` in a loss term) is the
@@ -103,28 +106,39 @@ class _only:
     in the loss, a registration) keeps the block's flags (``_state.held_flags``). On exit,
     also when the block raises, each flag the block wrote becomes what it would be without
     the block, computed then: what torchstruct itself changed during the call (a context
-    entered or lifted, a schedule step) stands, and so does a write by someone else; a block
-    of another thread still running keeps its flags. A block whose asked parameter another
-    thread's block switched off meanwhile raises: its forward may have missed that parameter.
+    entered or lifted, a schedule step) stands, and so does a write by someone else (a copy
+    put in place of a parameter, carrying the block's flag, gets the flag of the one it
+    replaced); a block still running (an outer call, another thread's) keeps its flags. When
+    parameters were added inside the block, a ``RestoredFlagsWarning`` names those the exit
+    turned back on (a same-value write inside it cannot be told apart from the block's own).
+    A block whose asked parameter a newer block of another thread held off while it ran
+    raises: its forward may have missed that parameter.
     """
 
-    def __init__(self, model: nn.Module, asked: Pairs, keep_others: bool = False) -> None:
+    def __init__(self, model: nn.Module, asked: Pairs, keep_others: bool = False,
+                 watch: bool = False) -> None:
         self.model = model
-        self.params = index(model).params
+        idx = index(model)
+        self.params = idx.params
+        self.at_path = {path: id(p) for p, ps in zip(idx.params, idx.paths) for path in ps}
         self.paths = {id(p): path for path, p in asked}
-        self.keep_others = keep_others
+        self.keep_others = keep_others or watch
+        self.watch = watch
+        self.thread = threading.get_ident()
         self.flags: dict = {}  # id -> (parameter, the flag held), while the block runs
-        self.overridden: str | None = None  # an asked path another block switched off
+        self.overridden: str | None = None  # an asked path a newer thread's block held off
+        self.undone: list[str] = []  # paths turned back on after the model grew (warned)
 
     def __enter__(self) -> None:
         with _state.LOCK:  # (stand-ins lifted)
             apply_pending(self.model)  # else the hook would apply during the call
             self.flags = {id(p): (p, id(p) in self.paths) for p in self.params
                           if id(p) in self.paths or not self.keep_others}
-            for older in _state.held_flags:  # an older block's asked parameter switched off
-                if older.overridden is None:
-                    older.overridden = next((older.paths[i] for i, (_, on) in self.flags.items()
-                                             if not on and i in older.paths), None)
+            if self.watch:
+                self.flags = {i: hit for i, hit in self.flags.items() if not hit[0].requires_grad}
+            for block in _state.held_flags:  # another thread's running block whose asked
+                if block.thread != self.thread:  # parameter this one holds off (newest wins)
+                    block.overridden = block.overridden or _held_off(self, block.paths)
             _state.held_flags.append(self)
             try:
                 for p, flag in self.flags.values():
@@ -135,23 +149,28 @@ class _only:
             except BaseException:  # e.g. an unmaterialized lazy parameter: nothing changed
                 self._leave()
                 raise
-            flags_changed(self.model.modules())  # compiled code called in the loss sees them
+            if self.flags:
+                flags_changed(self.model.modules())  # compiled code in the loss sees them
 
-    def __exit__(self, exc_type, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         with _state.LOCK:  # (stand-ins lifted)
             self._leave()
-        if self.overridden is not None and exc_type is None:
+        if self.overridden is not None and (exc_type is None or issubclass(exc_type, Exception)):
             raise RuntimeError(
                 f"structural_grad: another structural_grad(wrt=...) call on this model, in "
-                f"another thread, switched {self.overridden!r} off while this call's loss ran, "
-                "so the forward may have missed it and its gradient cannot be trusted; run "
-                "such calls one after another (or each on its own copy of the model)"
-            )
+                f"another thread, held {self.overridden!r} off while this call's loss ran, so "
+                "the forward may have missed it and its gradient cannot be trusted; run such "
+                "calls one after another (or each on its own copy of the model)"
+            ) from exc
+        if self.undone:
+            warn_undone("ts.structural_grad(wrt=...)", self.undone, [], [])
 
     def _leave(self) -> None:
         """Every flag this block wrote back to what it is without the block (see above)."""
         if self in _state.held_flags:
             _state.held_flags.remove(self)
+        if not self.flags:
+            return
         governed = {i for st in _state.live_states() for i, rec in st.members.items()
                     if rec.p is not None}
         truth, error = {}, None
@@ -161,20 +180,46 @@ class _only:
             except BaseException as err:  # noqa: BLE001 - a declaration that became invalid
                 # (or fails) in the loss: every flag written first, as a context's exit does
                 error, truth = err, _effective_of(self.model, lenient=True)[1]
-        for i, (p, _) in self.flags.items():
+        decided, turned_on = {}, []
+        for i, (p, mine) in self.flags.items():
             base, since, _ = starting_flag(p, "", {})
             held = _state.held_flag(p)
             flag = held if held is not None else truth.get(i, base) if i in governed else base
             if p.requires_grad is not flag:
+                if flag and not mine:
+                    turned_on.append(i)
                 p.requires_grad_(flag)
             if i in governed or held is not None:
                 _state.set_record(p, base, flag, since)
             else:
                 _state.forget(p)
+            decided[i] = flag
+        now = index(self.model)
+        grew = False
+        for p, ps in zip(now.params, now.paths):  # copies put in place of the block's ones
+            if id(p) in self.flags:
+                continue
+            grew = True
+            old = next((self.at_path[path] for path in ps if path in self.at_path), None)
+            if (old in decided and p.requires_grad is self.flags[old][1]
+                    and p.requires_grad is not decided[old] and _state.held_flag(p) is None):
+                p.requires_grad_(decided[old])
+        if grew and turned_on:
+            self.undone = [self.paths.get(i) or _path_in(self.at_path, i) for i in turned_on]
         self.flags = {}
         flags_changed(self.model.modules())
         if error is not None:
             raise error
+
+
+def _held_off(block: _only, paths: dict) -> str | None:
+    """The first of ``paths`` (id -> path) that ``block`` holds off, or None."""
+    return next((path for i, path in paths.items()
+                 if i in block.flags and not block.flags[i][1]), None)
+
+
+def _path_in(at_path: dict, key: int) -> str:
+    return next(path for path, i in at_path.items() if i == key)
 
 
 def _check_loss(loss) -> torch.Tensor:
@@ -303,10 +348,11 @@ def _local(model: nn.Module, loss, asked: Pairs, wrt, retain_graph, create_graph
         with _state.without_stand_ins():
             _check_frozen(_check_loss(loss), asked)
             return _grads(model, loss, asked, retain_graph, create_graph)
-    if wrt is None:
-        value = _called(loss, model, asked)
-        with _state.without_stand_ins():
-            return _grads(model, value, asked, retain_graph, create_graph)
+    if wrt is None:  # the asked ones on (those a running call holds off), others kept
+        with _only(model, asked, watch=True):
+            value = _called(loss, model, asked)
+            with _state.without_stand_ins():
+                return _grads(model, value, asked, retain_graph, create_graph)
     # autograd.grad also needs the flags on; with create_graph the others keep theirs, so that
     # the gradients stay differentiable w.r.t. them (second-order terms through the forward)
     with _only(model, asked, keep_others=create_graph):
