@@ -7,8 +7,7 @@ declaration at exit), activation checkpointing whose recomputation runs after th
 grad-mode nesting. Gradients are compared with plain PyTorch where the same flags are set by
 hand or ``.detach()`` is placed by hand.
 
-Tests marked ``xfail(strict=True, reason="BUG: ...")`` document discrepancies with the
-contract (/work/shared/DESIGN.md, docs/freezing.md, docs/stop_gradient.md).
+The contract checked is the one of docs/freezing.md and docs/stop_gradient.md.
 """
 from __future__ import annotations
 

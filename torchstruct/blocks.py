@@ -49,7 +49,8 @@ from torch import Tensor, nn
 from torch._C import _functorch
 from torch.optim import optimizer as _optimizer
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispatch_mode_stack,
+                                          _pop_mode, _push_mode)
 
 from . import _checkpoints, _compile_caveats, _custom_functions, _state
 from ._checks import check_bool, refuse_lazy
@@ -326,21 +327,38 @@ class _SubstituteBlock(_Context):
         _checkpoints.watch_blocks(-1)
 
     def _above(self) -> list:
-        stack = torch.overrides._get_current_function_mode_stack()
-        at = next((i for i, m in enumerate(stack) if m is self._mode), len(stack))
-        return [m for m in stack[at + 1:] if getattr(m, "stands_in", False)]
+        return _modes_above(_FUNCTION_MODES, self._mode)
 
     def _sink_below(self, items: list) -> None:
-        stack = torch.overrides._get_current_function_mode_stack()
-        first = next((i for i, m in enumerate(stack) if any(m is x for x in items)), None)
-        mine = next((i for i, m in enumerate(stack) if m is self._mode), None)
-        if first is None or mine is None or mine < first:
-            return
-        popped = [torch._C._pop_torch_function_stack() for _ in range(len(stack) - first)]
-        popped.reverse()  # bottom first: the modes from `first` up, this block's last
-        popped.insert(0, popped.pop(popped.index(self._mode)))
-        for mode in popped:
-            torch._C._push_on_torch_function_stack(mode)
+        _sink_mode(_FUNCTION_MODES, self._mode, items)
+
+
+# (the stack, bottom first; pop its top; push on it): this thread's torch function modes and
+# its dispatch modes
+_FUNCTION_MODES = (torch.overrides._get_current_function_mode_stack,
+                   torch._C._pop_torch_function_stack, torch._C._push_on_torch_function_stack)
+_DISPATCH_MODES = (_get_current_dispatch_mode_stack, _pop_mode, _push_mode)
+
+
+def _modes_above(modes: tuple, mode) -> list:
+    """The modes entered after ``mode`` on one of the stacks above (all of them, any kind)."""
+    stack = modes[0]()
+    at = next((i for i, m in enumerate(stack) if m is mode), len(stack))
+    return stack[at + 1:]
+
+
+def _sink_mode(modes: tuple, mode, items: list) -> None:
+    """Move ``mode`` below the first of ``items`` on one of the stacks above, the order of the
+    others kept (nothing happens when it is below them already, or none of them is there)."""
+    stack, pop, push = modes[0](), modes[1], modes[2]
+    first = next((i for i, m in enumerate(stack) if any(m is x for x in items)), None)
+    mine = next((i for i, m in enumerate(stack) if m is mode), None)
+    if first is None or mine is None or mine < first:
+        return
+    popped = [pop() for _ in range(len(stack) - first)][::-1]  # bottom first, `mode` last
+    popped.insert(0, popped.pop())
+    for m in popped:
+        push(m)
 
 
 def _leave(ctx, mode: TorchFunctionMode) -> None:
@@ -783,3 +801,23 @@ class constant(_Context):
         self._mode.__exit__(None, None, None)
         _leave(self, self._rebind)
         _compile_caveats.warn_once()  # code compiled inside the block, unseen there
+
+    def _above(self) -> list:
+        return (_modes_above(_FUNCTION_MODES, self._rebind)
+                + _modes_above(_DISPATCH_MODES, self._mode))
+
+    def _sink_below(self, items: list) -> None:
+        _sink_mode(_FUNCTION_MODES, self._rebind, items)
+        _sink_mode(_DISPATCH_MODES, self._mode, items)
+
+    def _suspend(self) -> None:
+        # the dispatch modes the body entered after this block and holds are set aside while
+        # it exits (which takes its own mode off the top), then put back in their order
+        stack = _get_current_dispatch_mode_stack()
+        at = next((i for i, m in enumerate(stack) if m is self._mode), len(stack) - 1)
+        above = [_pop_mode() for _ in range(len(stack) - at - 1)][::-1]
+        try:
+            self.__exit__(None, None, None)
+        finally:
+            for m in above:
+                _push_mode(m)

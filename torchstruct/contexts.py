@@ -506,29 +506,44 @@ class _Context:
 
     @contextlib.contextmanager
     def _resumption(self, held: list):
-        """A fresh context for one resumption, below ``held`` (what was above the previous
-        one when it ended: blocks the body entered then and may still hold); ``held`` is
-        updated when this one ends."""
+        """A fresh context for one resumption, below ``held`` (the blocks the body entered in
+        earlier resumptions and still holds); ``held`` is updated when this one ends: what
+        the body entered during it and still holds is added, what it left is dropped (blocks
+        that were above for another reason, another generator's, are not the body's)."""
         ctx = self._fresh()
         try:
             ctx._sink_below(held)
+            before = ctx._above()
         except BaseException:
-            ctx.__exit__(None, None, None)
+            ctx._suspend()
             raise
-        with ctx:
+        try:
+            yield
+        finally:
             try:
-                yield
+                held[:] = [x for x in ctx._above()
+                           if _among(x, held) or not _among(x, before)]
             finally:
-                held[:] = ctx._above()
+                ctx._suspend()
 
-    # the stack a context kind lives in (flag contexts: torchstruct's stack of contexts;
-    # stop_gradient / swap: the thread's torch function modes); by default order is moot
+    # the stacks a context kind lives in (flag contexts: torchstruct's stack of contexts;
+    # stop_gradient / swap: the thread's torch function modes; constant: those and the
+    # dispatch modes), for a decorated generator's resumptions; by default order is moot
     def _above(self) -> list:
-        """What was entered after this context, in its kind's stack, and is active now."""
+        """What was entered after this context, in its kind's stacks, and is active now."""
         return []
 
     def _sink_below(self, items: list) -> None:
         """Move this (active) context below the first of ``items`` still active."""
+
+    def _suspend(self) -> None:
+        """Lift this context at the end of a resumption, wherever it is in its stacks (the
+        body may hold blocks entered after it)."""
+        self.__exit__(None, None, None)
+
+
+def _among(x, items: list) -> bool:
+    return any(x is y for y in items)
 
 
 class _Awaiting:
