@@ -10,6 +10,7 @@ blocks the forward ran in (also those left before the backward)."""
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 
 import torch.utils.checkpoint
@@ -86,8 +87,18 @@ def _set_recompute(key: str, capture) -> None:
         _RECOMPUTE.pop(key, None)
     else:
         _RECOMPUTE[key] = capture
-    torch.utils.checkpoint._checkpoint_without_reentrant_generator = (
-        _generator if _RECOMPUTE else _GENERATOR)
+    now = _generator if _RECOMPUTE else _GENERATOR
+    torch.utils.checkpoint._checkpoint_without_reentrant_generator = now
+    # torch's composable checkpoint imports the generator by name: its module gets it too,
+    # once loaded (it holds the one in force when it was imported, put right at the next change)
+    composable = sys.modules.get(_COMPOSABLE)
+    if composable is not None and getattr(composable, _GENERATOR_NAME, None) in (
+            _GENERATOR, _generator):
+        setattr(composable, _GENERATOR_NAME, now)
+
+
+_GENERATOR_NAME = "_checkpoint_without_reentrant_generator"
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 
 
 def _generator(fn, *rest, **kwargs):
