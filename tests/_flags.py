@@ -25,6 +25,30 @@ def _apply_takes_keywords() -> bool:
     return True
 
 
+def fold(start, paths, active):
+    """Brute force of the contract: the flags that ``active`` = [(kind, selector)], outermost
+    first (the innermost wins), gives parameters at ``paths`` whose starting flags are
+    ``start``. A selector is a path or module prefix, or None for the whole model."""
+    cur = list(start)
+    for kind, sel in active:
+        for i, path in enumerate(paths):
+            hit = sel is None or path == sel or path.startswith(sel + ".")
+            if kind == "freeze" and hit:
+                cur[i] = False
+            elif kind == "freeze_except" and not hit:
+                cur[i] = False
+            elif kind == "unfreeze" and hit:
+                cur[i] = True
+    return cur
+
+
+def entries_on(*models):
+    """Active contexts scoped to ``models`` (other tests' models may still be alive)."""
+    from torchstruct import _state
+
+    return [e for e in _state.entries if any(e.scope() is m for m in models)]
+
+
 def consistent(model) -> bool:
     """The read-only answer (``ts.trainable_parameters``) agrees with the flags actually set."""
     said = {id(p) for _, p in ts.trainable_parameters(model)}

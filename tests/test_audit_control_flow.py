@@ -27,6 +27,8 @@ from torch.utils.checkpoint import CheckpointError, checkpoint
 import torchstruct as ts
 from torchstruct import _state
 
+from _flags import entries_on, fold
+
 JOIN = 30.0  # seconds: a thread still alive after this is a hang (asserted)
 
 
@@ -44,30 +46,6 @@ def small(mixed=True):
     if mixed:
         m[0].bias.requires_grad_(False)  # a starting flag that is off: respected
     return m
-
-
-def hits(path, sel):
-    return path == sel or path.startswith(sel + ".")
-
-
-def fold(start, paths, active):
-    """The flags the contract gives for ``active`` = [(kind, selector)], outermost first."""
-    cur = list(start)
-    for kind, sel in active:
-        for i, path in enumerate(paths):
-            h = hits(path, sel)
-            if kind == "freeze" and h:
-                cur[i] = False
-            elif kind == "freeze_except" and not h:
-                cur[i] = False
-            elif kind == "unfreeze" and h:
-                cur[i] = True
-    return cur
-
-
-def entries_on(*models):
-    """Active contexts scoped to ``models`` (other tests' models may still be alive)."""
-    return [e for e in _state.entries if any(e.scope() is m for m in models)]
 
 
 def modes():

@@ -37,6 +37,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import torchstruct as ts
 from torchstruct import _state
 
+import _flags
+from _flags import entries_on
+
 
 # ----------------------------------------------------------------------------- helpers
 def small(mixed=True):
@@ -64,29 +67,9 @@ def paths(m):
     return [n for n, _ in m.named_parameters()]
 
 
-def _hits(path, sel):
-    return path == sel or path.startswith(sel + ".")
-
-
 def fold(m, start, active):
-    """The flags the contract gives for ``active`` = [(kind, selector or None)], outermost
-    first, innermost wins (None: the whole model)."""
-    cur = list(start)
-    for kind, sel in active:
-        for i, path in enumerate(paths(m)):
-            h = sel is None or _hits(path, sel)
-            if kind == "freeze" and h:
-                cur[i] = False
-            elif kind == "freeze_except" and not h:
-                cur[i] = False
-            elif kind == "unfreeze" and h:
-                cur[i] = True
-    return cur
-
-
-def entries_on(*models):
-    """Active contexts scoped to ``models`` (other tests' models may still be alive)."""
-    return [e for e in _state.entries if any(e.scope() is m for m in models)]
+    """The flags the contract gives for ``active`` on ``m`` (see ``_flags.fold``)."""
+    return _flags.fold(start, paths(m), active)
 
 
 def stack_of(m):

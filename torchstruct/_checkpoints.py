@@ -54,7 +54,9 @@ def modules_behind(fn, depth: int = 4):
 # looks up in its module at each call.
 _CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 _FORWARD = _CHECKPOINT.__dict__["forward"]
-_GENERATOR = getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None)
+_GENERATOR_NAME = "_checkpoint_without_reentrant_generator"
+_GENERATOR = getattr(torch.utils.checkpoint, _GENERATOR_NAME, None)
+_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"  # imports it by name
 _AROUND_LOCK = threading.Lock()
 _AROUND: dict = {}  # key -> around(forward, ctx, run_function, preserve_rng_state, *args)
 _RECOMPUTE: dict = {}  # key -> capture(fn) -> what the non-reentrant recomputation runs
@@ -96,9 +98,6 @@ def _set_recompute(key: str, capture) -> None:
             _GENERATOR, _generator):
         setattr(composable, _GENERATOR_NAME, now)
 
-
-_GENERATOR_NAME = "_checkpoint_without_reentrant_generator"
-_COMPOSABLE = "torch.distributed._composable.checkpoint_activation"
 
 
 def _generator(fn, *rest, **kwargs):

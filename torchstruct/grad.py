@@ -118,9 +118,8 @@ class _only:
     def __init__(self, model: nn.Module, asked: Pairs, keep_others: bool = False,
                  watch: bool = False) -> None:
         self.model = model
-        idx = index(model)
-        self.params = idx.params
-        self.at_path = {path: id(p) for p, ps in zip(idx.params, idx.paths) for path in ps}
+        self.index = index(model)  # the model's parameters when the block is entered
+        self.params = self.index.params
         self.paths = {id(p): path for path, p in asked}
         self.keep_others = keep_others or watch
         self.watch = watch
@@ -194,18 +193,21 @@ class _only:
             else:
                 _state.forget(p)
             decided[i] = flag
-        now = index(self.model)
+        before, now = self.index, index(self.model)
+        at_path = {path: id(p) for p, ps in zip(before.params, before.paths) for path in ps}
+        known = {id(p) for p in before.params}
         grew = False
         for p, ps in zip(now.params, now.paths):  # copies put in place of the block's ones
-            if id(p) in self.flags:
+            if id(p) in known:
                 continue
             grew = True
-            old = next((self.at_path[path] for path in ps if path in self.at_path), None)
+            old = next((at_path[path] for path in ps if path in at_path), None)
             if (old in decided and p.requires_grad is self.flags[old][1]
                     and p.requires_grad is not decided[old] and _state.held_flag(p) is None):
                 p.requires_grad_(decided[old])
         if grew and turned_on:
-            self.undone = [self.paths.get(i) or _path_in(self.at_path, i) for i in turned_on]
+            first = {id(p): ps[0] for p, ps in zip(before.params, before.paths)}
+            self.undone = [first[i] for i in turned_on]
         self.flags = {}
         flags_changed(self.model.modules())
         if error is not None:
@@ -216,10 +218,6 @@ def _held_off(block: _only, paths: dict) -> str | None:
     """The first of ``paths`` (id -> path) that ``block`` holds off, or None."""
     return next((path for i, path in paths.items()
                  if i in block.flags and not block.flags[i][1]), None)
-
-
-def _path_in(at_path: dict, key: int) -> str:
-    return next(path for path, i in at_path.items() if i == key)
 
 
 def _check_loss(loss) -> torch.Tensor:
