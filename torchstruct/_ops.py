@@ -22,8 +22,10 @@ Backend selection (``backend()`` names the active one):
   treats those device types as having no compiled kernels (CI runs the CPU
   through the fallback this way); ``use_backend(name)`` switches temporarily.
 
-Inputs that need autograd (grad mode on and a tensor that requires grad) go to
-the reference implementation, which is differentiable; the others are not.
+Inputs that need autograd (grad mode on and a tensor that requires grad, a
+forward-mode dual, or any input inside a ``torch.func`` transform) go to the
+reference implementation, which is differentiable (and batches under ``vmap``);
+the others are not.
 ``meta`` tensors (shapes only) go to the reference too.
 
 Adding an op: a kernel in ``csrc/`` registered under the same name (it must
@@ -43,7 +45,7 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Sequence, Tuple
 
 import torch
 
-from . import _dtensor, _fallback, _reference
+from . import _derivatives, _dtensor, _fallback, _reference
 
 try:
     from . import _C  # noqa: F401  (importing registers torch.ops.torchstruct.*)
@@ -203,7 +205,7 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def _needs_autograd(tensors: Sequence[torch.Tensor]) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return _derivatives.any_differentiated(tensors)
 
 
 def _is_compiling() -> bool:

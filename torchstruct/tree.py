@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from . import _derivatives
 from ._checks import check_callable
 
 __all__ = [
@@ -169,10 +170,11 @@ def _same_tensor(a: Tensor, b: Tensor) -> bool:
 
 def _tie_keys(leaf: Tensor) -> tuple:
     """What ties two leaves of a tree (one is stored, counted and scaled once): the very same
-    object, or, for a leaf that does not require grad, a view of the very same memory (a
-    ``state_dict``'s entries for a tied parameter). Leaves that require grad tie only as one
-    object: two views of one parameter may be meant as two inputs of a graph."""
-    memory = None if leaf.requires_grad else _memory(leaf)
+    object, or, for a leaf that carries no derivative, a view of the very same memory (a
+    ``state_dict``'s entries for a tied parameter). Leaves that require grad or hold a
+    forward-mode tangent tie only as one object: two views of one parameter may be meant as two
+    inputs of a graph, and two duals of one primal may carry different tangents."""
+    memory = None if leaf.requires_grad or _derivatives.has_tangent(leaf) else _memory(leaf)
     return (id(leaf),) if memory is None else (id(leaf), memory)
 
 
