@@ -263,15 +263,24 @@ class MaskedOptimizer(torch.optim.Optimizer):
         by the same parameter indices as ``"state"``, so a resumed run needs no ``masks=``.
         The mask of a parameter that has state is also in its ``"state"`` entry (under
         ``"torchstruct_mask"``), which tools that keep only ``"state"`` and
-        ``"param_groups"`` (``torch.distributed.checkpoint.state_dict``) carry along."""
-        out = super().state_dict()
-        order = self._param_order()
-        out["masks"] = {order[id(p)]: m for p, m in self.masks.items() if id(p) in order}
-        state = out["state"]
-        for k, mask in out["masks"].items():
-            if k in state:  # a new dict: the entry is the optimizer's own
-                state[k] = {**state[k], _MASK_KEY: mask}
-        return out
+        ``"param_groups"`` (``torch.distributed.checkpoint.state_dict``) carry along. The
+        masks are added before the registered ``state_dict`` post-hooks run: they see, and may
+        change, the finished state dict."""
+
+        def add_masks(_, out):  # registered first: every post-hook sees the masks
+            order = self._param_order()
+            out["masks"] = {order[id(p)]: m for p, m in self.masks.items() if id(p) in order}
+            state = out["state"]
+            for k, mask in out["masks"].items():
+                if k in state:  # a new dict: the entry is the optimizer's own
+                    state[k] = {**state[k], _MASK_KEY: mask}
+            return out
+
+        handle = self.register_state_dict_post_hook(add_masks, prepend=True)
+        try:
+            return super().state_dict()
+        finally:
+            handle.remove()
 
     @torch._disable_dynamo
     def load_state_dict(self, state_dict) -> None:
@@ -282,7 +291,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
         optimizer type is refused) and, where both sides carry ``param_names``, that the
         saved names are this optimizer's: on any error nothing is changed. The masks are
         those under ``"masks"``, else those carried in the ``"state"`` entries; a state dict
-        with neither (e.g. from ``torch.optim``) keeps the current masks."""
+        with neither (e.g. from ``torch.optim``) keeps the current masks. The masks are in
+        place before the registered ``load_state_dict`` post-hooks run."""
         loaded = []
 
         def check(_, hooked):  # registered last: it sees what the other pre-hooks return
@@ -290,13 +300,17 @@ class MaskedOptimizer(torch.optim.Optimizer):
             loaded.append(masks)
             return hooked
 
-        handle = self.register_load_state_dict_pre_hook(check)
+        def set_masks(_):  # registered first: every post-hook sees the loaded masks
+            if loaded and loaded[0] is not None:
+                self.masks = loaded[0]
+
+        handles = [self.register_load_state_dict_pre_hook(check),
+                   self.register_load_state_dict_post_hook(set_masks, prepend=True)]
         try:
             super().load_state_dict(state_dict)
         finally:
-            handle.remove()
-        if loaded and loaded[0] is not None:
-            self.masks = loaded[0]
+            for handle in handles:
+                handle.remove()
 
     def _checked_load(self, state_dict):
         """(the saved masks, or None to keep the current ones; the state dict to load, the
