@@ -188,8 +188,9 @@ class _Substitute(TorchFunctionMode):
         an edge to the parameter itself. Its forward's operations see the stand-in (that is how
         this is found, see :mod:`torchstruct._custom_functions`); inside ``stop_gradient`` the
         node's gradient for the parameter is cut (a hook on the node; the stand-in aliases the
-        parameter, so everything else the node saved is the same), which is exact. Anywhere
-        else it is refused."""
+        parameter, so everything else the node saved is the same), which is exact; the edge
+        stays, so the parameter's hooks run as for a backward returning None for it
+        (docs/stop_gradient.md). Anywhere else it is refused."""
         for frame, name, takes_ctx, inputs in _custom_functions.running_forwards(
                 sys._getframe(2)):
             self._cut(frame, name, takes_ctx, inputs)
@@ -422,7 +423,9 @@ class stop_gradient(_SubstituteBlock):
         (True, tensor([1.]), True)
     """
 
-    own = frozenset({"grad", "_grad"})  # p.grad is the parameter's own gradient
+    # p.grad is the parameter's own gradient, and so are the ``inputs`` of a backward
+    # (``loss.backward(inputs=[p])``, ``torch.autograd.backward``): the .grad it fills
+    own = frozenset({"grad", "_grad", "backward"})
 
     def __init__(self, model: nn.Module, *selectors, strict: bool = True) -> None:
         super().__init__(model, *selectors, strict=strict)
