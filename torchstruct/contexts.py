@@ -65,6 +65,9 @@ class Entry:
     # id -> record of the parameters that left their attached tree while the scope held them
     # (a block on a module that was taken out): held for the block, released when it ends
     kept: dict = field(default_factory=dict)
+    # without selectors, on a module below the root of its tree: the ids of its parameters
+    # when entered (what it selected; None: the whole tree)
+    inside: frozenset | None = None
 
     def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False
                ) -> None:
@@ -120,7 +123,7 @@ class Entry:
     def end(self, in_callback: bool = False) -> None:
         """The context ended (or, ``in_callback``, its scope was collected): drop what it
         holds of the parameters, and release those it kept."""
-        self.decided, self.present, self.present_paths = {}, {}, {}
+        self.decided, self.present, self.present_paths, self.inside = {}, {}, {}, None
         hooks.release_kept(self, in_callback)
 
     def fold(self, flags: dict[int, bool], starts: dict, root: nn.Module,
@@ -253,11 +256,13 @@ def pop(entry: Entry) -> None:
             changes = _apply_around(entry, refuse=False)
             grown = registrations != entry.registrations
             born = _born_frozen(entry) if grown else []
-            left = _left_frozen(entry) if grown else []
+            # the exit's application walked the tree: what left it is known, added to or not
+            # (a parameter deleted and a buffer registered in its place registers nothing)
+            left = _left_frozen(entry, vanished_only=not grown)
         finally:
             entry.end()
-    if grown:
-        warn_undone(f"ts.{entry.kind}", [path for path, _, flag in changes if flag], born, left)
+    turned_on = [path for path, _, flag in changes if flag] if grown else []
+    warn_undone(f"ts.{entry.kind}", turned_on, born, left, grown=grown)
 
 
 def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
@@ -306,6 +311,8 @@ def _remember_present(entry: Entry) -> None:
     if scope is not None:
         st = hooks.state_for(scope)
         entry.present, entry.present_paths = st.members, st.last
+        if not entry.selectors and st.root() is not scope:  # the whole of a part of the tree
+            entry.inside = frozenset(map(id, scope.parameters()))
 
 
 def _born_frozen(entry: Entry) -> list[str]:
@@ -331,22 +338,34 @@ def _born_frozen(entry: Entry) -> list[str]:
     return out
 
 
-def _left_frozen(entry: Entry) -> list[str]:
+def _left_frozen(entry: Entry, vanished_only: bool = False) -> list[str]:
     """Paths (as when the block was entered) of the parameters whose starting flag is on,
     that the block froze, and that left its scope's tree inside the block (call under the
-    lock, after the exit's application, before the entry ends)."""
+    lock, after the exit's application, before the entry ends). ``vanished_only``: only
+    those whose path holds no parameter now (nothing was registered into the tree: a
+    parameter at the same path is the old one's copy, such as a dtype conversion's, which
+    the exit restored with it)."""
     scope = entry.scope()
     if scope is None or entry.kind == "unfreeze":
         return []
-    now = hooks.state_for(scope).members
+    st = hooks.state_for(scope)
+    now = st.members
+    if entry.present.keys() <= now.keys():  # nothing left (the usual case: one C-level pass)
+        return []
     key_of = {id(rec): key for key, rec in entry.present.items()}
     out = []
     for path, (base, _, _, rec) in entry.present_paths.items():
         key = key_of.get(id(rec))
-        hit = entry.decided.get(key)
-        if not base or key is None or key in now or hit is None:
+        if not base or key is None or key in now or (vanished_only and path in st.last):
             continue
-        if hit[1] is (entry.kind == "freeze"):  # selected by freeze, not by freeze_except
+        if entry.selectors:
+            hit = entry.decided.get(key)
+            if hit is None:
+                continue
+            picked = hit[1]
+        else:  # no selector: the whole scope
+            picked = entry.inside is None or key in entry.inside
+        if picked is (entry.kind == "freeze"):  # selected by freeze, not by freeze_except
             out.append(path)
     return out
 
@@ -356,8 +375,10 @@ def _names(paths: list[str]) -> str:
     return ", ".join(repr(p) for p in paths[:5]) + more
 
 
-def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[str]) -> None:
-    """Leaving ``block`` (its name, for the message), in which modules were added: a same-value ``requires_grad_(False)``
+def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[str],
+                grown: bool = True) -> None:
+    """Leaving ``block`` (its name, for the message), in which modules were added (``grown``;
+    else only ``left`` can be non-empty): a same-value ``requires_grad_(False)``
     written inside it (``get_peft_model`` freezing the base model) cannot be told apart from
     the block's own freezing, and is undone; a parameter created inside it may have copied
     the flag the block wrote (a parametrization such as ``weight_norm``) and stays frozen; a
@@ -390,9 +411,10 @@ def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[st
             "outside the block, or register it as a trainable parameter again."
         )
     if said:
+        what = ("modules or parameters were added to the model inside the block"
+                if grown else "the model changed inside the block")
         warnings.warn(
-            f"leaving {block}: modules or parameters were added to the model inside the "
-            "block, and " + " Also, ".join(said),
+            f"leaving {block}: {what}, and " + " Also, ".join(said),
             RestoredFlagsWarning,
             stacklevel=_outside_level(),
         )
