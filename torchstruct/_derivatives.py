@@ -23,10 +23,16 @@ def in_transform() -> bool:
 
 
 def has_tangent(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds a forward-mode tangent at the active dual level."""
+    """Whether ``t`` holds a forward-mode tangent at the active dual level (a ``vmap`` wrapper
+    carries none itself)."""
     if getattr(forward_ad, "_current_level", -1) < 0:  # no dual level is active
         return False
-    return forward_ad.unpack_dual(t).tangent is not None
+    if _functorch is not None and _functorch.is_batchedtensor(t):
+        return False
+    try:
+        return forward_ad.unpack_dual(t).tangent is not None
+    except RuntimeError:  # pragma: no cover - a functorch layer without a rule for unpack_dual
+        return False
 
 
 def carries_derivatives(t: torch.Tensor) -> bool:

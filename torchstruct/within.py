@@ -35,6 +35,8 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import forward_ad as _fwad
 
+from ._derivatives import has_tangent
+
 __all__ = ["within_gradient"]
 
 _functorch = torch._C._functorch
@@ -45,15 +47,6 @@ def _compiling() -> bool:
     if compiler is not None and hasattr(compiler, "is_compiling"):
         return compiler.is_compiling()
     return torch._dynamo.is_compiling()  # pragma: no cover - very old torch
-
-
-def _has_tangent(t: Tensor) -> bool:
-    if _fwad._current_level < 0 or _functorch.is_batchedtensor(t):
-        return False  # no forward-AD level is open / a vmap wrapper carries no tangent itself
-    try:
-        return _fwad.unpack_dual(t).tangent is not None
-    except RuntimeError:  # pragma: no cover - a functorch layer without a rule for unpack_dual
-        return False
 
 
 def _tracked(t: Tensor) -> bool:
@@ -72,7 +65,7 @@ def _tracked(t: Tensor) -> bool:
     # enable_grad() inside inference_mode() turns grad mode on, and still records nothing
     grad_mode = grad_mode and not torch.is_inference_mode_enabled()
     while True:
-        if (grad_mode and t.requires_grad) or _has_tangent(t):
+        if (grad_mode and t.requires_grad) or has_tangent(t):
             return True
         if not _functorch.is_functorch_wrapped_tensor(t):
             return False
