@@ -205,6 +205,8 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def _needs_autograd(tensors: Sequence[torch.Tensor]) -> bool:
+    if _is_compiling():  # traced code: reverse mode only (dynamo handles transforms itself)
+        return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return _derivatives.any_differentiated(tensors)
 
 
