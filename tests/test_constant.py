@@ -209,6 +209,60 @@ def test_a_step_over_a_protected_parameter_is_refused_before_any_state_changes(m
     assert torch.equal(m[1].weight, params[2]) and not torch.equal(m[0].weight, params[0])
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.Adam(ps, lr=0.1),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5, foreach=False),
+    lambda ps: torch.optim.LBFGS(ps, lr=0.1, max_iter=3),
+    lambda ps: ts.optim.AdamW(ps, lr=0.1, max_grad_norm=1.0),
+    lambda ps: ts.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5),
+], ids=["Adam", "SGD", "LBFGS", "ts.AdamW", "ts.SGD"])
+@pytest.mark.parametrize("how", ["positional", "keyword"])
+def test_a_step_whose_closure_computes_the_gradients_is_refused_before_any_change(make, how):
+    """The gradients come from the closure the step runs (Lightning's training loop, LBFGS):
+    the step is checked again when the closure returns, before it updates anything."""
+    def run(refuse_first):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        opt = make(m.parameters())
+        x = torch.randn(3, 2)
+
+        def closure():
+            opt.zero_grad()
+            loss = m(x).pow(2).sum()
+            loss.backward()
+            return loss
+
+        step = (lambda: opt.step(closure)) if how == "positional" else (
+            lambda: opt.step(closure=closure))
+        if refuse_first:
+            params = [p.detach().clone() for p in m.parameters()]
+            with ts.constant(m, "1"):
+                with pytest.raises(RuntimeError, match=r"step would update parameter '1\.weight'"):
+                    step()
+            assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
+            # LBFGS sets its counters (at 0) before it calls the closure: what a fresh one has
+            state = [v for v in opt.state.values() if v != {"func_evals": 0, "n_iter": 0}]
+            assert state == [] and getattr(opt, "last_grad_norm", None) is None
+        step()  # the same as a first step: the refused one left nothing behind
+        return [p.detach().clone() for p in m.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+def test_a_closure_step_is_left_as_it_is_without_a_block():
+    m = nn.Linear(2, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    seen = []
+
+    def closure():
+        seen.append(closure)
+        return m(torch.ones(1, 2)).sum()
+
+    opt.register_step_pre_hook(lambda o, args, kwargs: seen.append(args[1]))
+    opt.step(closure)
+    assert seen == [closure, closure]  # the hook saw the user's own closure, not a wrapper
+
+
 def test_a_step_in_another_thread_is_not_this_threads_block():
     import threading
     m = nn.Linear(2, 1)

@@ -712,11 +712,32 @@ def refuse_constant_writes(what: str, tensors) -> None:
         )
 
 
-def _refuse_guarded_step(optimizer, _args, _kwargs) -> None:
+def _refuse_guarded_step(optimizer, args, kwargs):
     """An optimizer step about to update a parameter a ``constant`` block of this thread
     protects (one with a gradient: the step would write it) is refused before it starts, so
-    that its own state (momentum buffers, moments) is not updated either. Registered once
-    for every ``torch.optim.Optimizer``; without an active block it returns at once."""
+    that its own state (momentum buffers, moments) is not updated either. A step given a
+    closure is checked again when the closure returns (the gradients it computed), before the
+    step goes on. Registered once for every ``torch.optim.Optimizer``; without an active
+    block it returns at once."""
+    if not _guards():
+        return None
+    _refuse_step_of(optimizer)
+    # args: (optimizer, closure?) as the step was called
+    closure = kwargs["closure"] if "closure" in kwargs else (args[1] if len(args) > 1 else None)
+    if closure is None:
+        return None
+
+    def checked_closure():
+        loss = closure()
+        _refuse_step_of(optimizer)
+        return loss
+
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": checked_closure}
+    return (args[0], checked_closure, *args[2:]), kwargs
+
+
+def _refuse_step_of(optimizer) -> None:
     guards = _guards()
     if not guards:
         return
