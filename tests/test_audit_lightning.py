@@ -16,7 +16,10 @@ What is audited (black box, from README.md, docs/*.md and ../shared/DESIGN.md):
 - `Trainer.validate` / `test` / `predict` and the validation loop inside `fit` while contexts are
   active (flags unchanged, BatchNorm statistics held under `freeze_norm_stats`), an EMA
   evaluated through `ts.swap` in the validation hooks;
-- Lightning's `ModelSummary` and `LearningRateMonitor` against `ts.summary` / group names.
+- Lightning's `ModelSummary` and `LearningRateMonitor` against `ts.summary` / group names;
+- `Tuner.lr_find`, `StochasticWeightAveraging`, `load_from_checkpoint`, `ts.constant` around
+  `fit` (Lightning steps with a closure), and two CPU ranks with `ddp_spawn` (a schedule built
+  after the wrap with find_unused_parameters, and the documented refusal before it).
 
 Oracles: the same training written with plain `requires_grad` flags and `torch.optim` inside
 Lightning, or by hand outside Lightning, compared bitwise (SGD: "bitwise on CPU") or to the
@@ -948,7 +951,7 @@ def test_resume_without_the_schedule_state_differs(tmp_path, scheduled_straight)
 
 
 class StepCounting(L.Callback):
-    """The callback of docs/coming_from.md, stepping the schedule in on_train_batch_end."""
+    """A callback stepping the schedule once per batch in on_train_batch_end."""
 
     def __init__(self):
         self.schedule = None
@@ -962,22 +965,23 @@ class StepCounting(L.Callback):
 
 
 class GlobalStepCounting(StepCounting):
+    """The callback of docs/coming_from.md: one schedule step per optimizer step."""
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         while self.schedule.current_step < trainer.global_step:
             self.schedule.step()
 
 
-def test_documented_schedule_callback_counts_batches_under_accumulation_trap():
-    """Trap: the docs' callback steps the schedule in on_train_batch_end, "after the optimizer
-    step"; with accumulate_grad_batches=2 that hook runs after every micro-batch, so the
-    schedule counts batches, not optimizer steps (its milestones come twice as early). Counting
-    trainer.global_step instead keeps it in step with the optimizer."""
-    docs_way, by_global = StepCounting(), GlobalStepCounting()
-    t1 = fit(Net(), callbacks=[docs_way], accumulate_grad_batches=2, max_epochs=2)
-    t2 = fit(Net(), callbacks=[by_global], accumulate_grad_batches=2, max_epochs=2)
+def test_documented_schedule_callback_counts_optimizer_steps_under_accumulation():
+    """With accumulate_grad_batches=2, on_train_batch_end runs after every micro-batch: a
+    callback stepping there once per call counts batches (its milestones come twice as early);
+    the docs' callback follows trainer.global_step, the optimizer steps."""
+    per_batch, documented = StepCounting(), GlobalStepCounting()
+    t1 = fit(Net(), callbacks=[per_batch], accumulate_grad_batches=2, max_epochs=2)
+    t2 = fit(Net(), callbacks=[documented], accumulate_grad_batches=2, max_epochs=2)
     assert t1.global_step == t2.global_step == 4
-    assert docs_way.schedule.current_step == 8
-    assert by_global.schedule.current_step == 4
+    assert per_batch.schedule.current_step == 8
+    assert documented.schedule.current_step == 4
 
 
 # --------------------------------------------------------------------------- summaries, monitors
@@ -1283,8 +1287,8 @@ def test_fit_inside_constant_leaves_ts_optim_state_and_last_grad_norm_as_they_we
     it starts, so its own state (momentum buffers, moments) is unchanged too"; docs/optimizers.md:
     "a refused (or interrupted) step undoes the state it created or converted, and leaves
     last_grad_norm as it was". Lightning always steps with a closure, so the gradient appears
-    inside step(): the refusal comes from the op, after ts.optim created zero state for every
-    parameter and wrote last_grad_norm. (Without a closure the step is refused with no state.)"""
+    inside step(). Found by this audit (xfail until b628280): the refusal came from the op, after
+    ts.optim had created zero state for every parameter and written last_grad_norm."""
     net = Net(make_opt=lambda m: ts.optim.AdamW(m.parameters(), lr=0.01, max_grad_norm=0.5))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -1300,9 +1304,9 @@ def test_fit_inside_constant_leaves_ts_optim_state_and_last_grad_norm_as_they_we
 
 
 def test_closure_step_refused_by_constant_then_continued_equals_a_fresh_optimizer():
-    """The consequence of the zero momentum buffers left by the refused closure step: with
-    dampening, SGD's first step takes the gradient as it is, a later one (1 - dampening) times
-    it, so the next step after the refusal is not the first step it should be."""
+    """Regression (found by this audit, fixed in b628280): a refused closure step left zero
+    momentum buffers; with dampening, SGD's first step takes the gradient as it is and a later
+    one (1 - dampening) times it, so the next step after the refusal was not a first step."""
     def run(refuse_first):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
@@ -1328,12 +1332,66 @@ def test_closure_step_refused_by_constant_then_continued_equals_a_fresh_optimize
 def test_fit_inside_constant_with_torch_sgd_moves_no_parameter():
     """docs/stop_gradient.md: "An optimizer step (any torch.optim.Optimizer, ts.optim included)
     that would update a protected parameter — one with a gradient — is refused before it
-    starts". With Lightning's closure the gradient only exists once step() runs the closure;
-    torch.optim.SGD (foreach=False) then updates backbone.0 before the write to the protected
-    backbone.2 is refused: a half-applied step."""
+    starts". With Lightning's closure the gradient only exists once step() runs the closure.
+    Found by this audit (xfail until b628280): torch.optim.SGD (foreach=False) updated backbone.0
+    before the write to the protected backbone.2 was refused, a half-applied step."""
     net = Net(make_opt=torch_sgd)
     start = snap(net)
     with pytest.raises(RuntimeError, match="'backbone.2.weight'"):
         with ts.constant(net, "backbone.2"):
             fit(net)
     assert all(torch.equal(v, start[k]) for k, v in snap(net).items())
+
+
+# --------------------------------------------------------------------------- more loops
+
+class AlternatingBlock(Net):
+    """Odd micro-batches run inside a ts.freeze block (the twin: the backbone under no_grad)."""
+
+    def __init__(self, use_ts, **kw):
+        super().__init__(**kw)
+        self.use_ts = use_ts
+
+    def training_step(self, batch, idx):
+        x, y = batch
+        if idx % 2 == 0:
+            return nn.functional.mse_loss(self(x), y)
+        if self.use_ts:
+            with ts.freeze(self, "backbone"):
+                return nn.functional.mse_loss(self(x), y)
+        with torch.no_grad():
+            h = self.backbone(x)
+        return nn.functional.mse_loss(self.head(h), y)
+
+
+def test_accumulation_with_a_freeze_block_on_every_other_micro_batch_matches_no_grad_twin():
+    """accumulate_grad_batches=2, the second micro-batch of each window computed inside a
+    ts.freeze block (backward after it, by Lightning): the backbone's gradient is the first
+    micro-batch's only, as with the backbone run under no_grad; flags back after each block."""
+    ours, twin = AlternatingBlock(True), AlternatingBlock(False, make_opt=torch_sgd)
+    fit(ours, accumulate_grad_batches=2, max_epochs=2)
+    fit(twin, accumulate_grad_batches=2, max_epochs=2)
+    assert_same(ours, twin)
+    assert flags(ours) == reads(ours) == [True] * 6
+
+
+def test_fp16_gradscaler_overflow_on_the_first_step_sgd_momentum_matches_torch():
+    """docs/optimizers.md: with SGD momentum an overflowed first step creates no buffer and the
+    next step is a first step, as in torch. Under Lightning's GradScaler plugin on the CPU,
+    the first batch overflows; ts.optim.SGD(max_grad_norm) equals torch.optim.SGD with
+    Lightning's clip."""
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 4, generator=g), torch.randn(16, 2, generator=g)
+    x[:4] *= 1e5
+
+    def data():
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+    ours = Net(make_opt=lambda m: ts.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                               max_grad_norm=0.5))
+    twin = Net(make_opt=lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9,
+                                                  foreach=False))
+    a = fit(ours, data(), plugins=[fp16_plugin()])
+    b = fit(twin, data(), plugins=[fp16_plugin()], gradient_clip_val=0.5)
+    assert a.precision_plugin.scaler.get_scale() == b.precision_plugin.scaler.get_scale() == 2 ** 15
+    assert_same(ours, twin, exact=False)
