@@ -48,7 +48,7 @@ def _refused(checks, label, fn, model, words, kind=RuntimeError):
         fn()
         _check(checks, f"{label}: raises", False, f"no error; flags {_flags(model)}")
     except kind as e:
-        _check(checks, f"{label}: message", all(w in str(e) for w in words), str(e))
+        _check(checks, f"{label}: message", all(w.lower() in str(e).lower() for w in words), str(e))
     except Exception as e:  # noqa: BLE001 - the wrong kind of error is a failed check
         _check(checks, f"{label}: error type", False, repr(e))
     _check(checks, f"{label}: flags unchanged", _flags(model) == before,

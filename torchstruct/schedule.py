@@ -281,9 +281,11 @@ class UnfreezeSchedule:
             exchange(self._context, new)
         except RuntimeError as e:
             where = "at construction" if _apply_first else f"to stage {stage}"
+            said = str(e)
+            unchanged = "" if "no flag was changed" in said.lower() else "; no flag was changed"
             raise RuntimeError(
-                f"UnfreezeSchedule: the change {where} is refused: {e} The schedule stays at "
-                f"step {self._step}, stage {self._stage}; no flag was changed."
+                f"UnfreezeSchedule: the change {where} is refused: {said} The schedule stays "
+                f"at step {self._step}, stage {self._stage}{unchanged}."
             ) from e
         self._context, self._stage = new, stage
         self._next = self._steps[stage] if stage < len(self._steps) else math.inf
