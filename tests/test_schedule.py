@@ -329,3 +329,46 @@ def test_schedule_under_ddp():
     per_rank = run(scenario_schedule_under_ddp)
     assert not failed(per_rank), failed(per_rank)
     assert all(len(c) >= 8 for c in per_rank.values())
+
+
+# ------------------------------------------------------------------ the stage where everything trains
+def _flags_of(m):
+    return [p.requires_grad for p in m.parameters()]
+
+
+def test_load_of_the_stage_in_force_applies_a_changed_tree_at_once():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    s = ts.UnfreezeSchedule(m, {0: "1", 3: "0"})
+    m.append(nn.Linear(2, 2))  # not selected by "1": frozen by the stage
+    s.load_state_dict({"step": 1, "milestones": [0, 3]})  # the stage in force
+    assert _flags_of(m) == [False, False, True, True, False, False]
+    assert _flags_of(m) == [ts.is_trainable(m, p) for p in m.parameters()]
+    s.close()
+
+
+def test_close_of_the_everything_stage_applies_a_pending_tree_change():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    ts.mark_trainable(m, "0", "1")  # whatever else m gets is frozen
+    s = ts.UnfreezeSchedule(m, {0: None})
+    m.append(nn.Linear(2, 2))
+    s.close()
+    assert _flags_of(m) == [True, True, True, True, False, False]
+
+
+def test_leaving_the_everything_stage_keeps_the_schedules_place_and_later_writes():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    s = ts.UnfreezeSchedule(m, {0: "0", 1: None})
+    with ts.unfreeze(m, "1"):  # entered after the schedule: stays inner to it
+        s.step()
+        s.load_state_dict({"step": 0, "milestones": [0, 1]})
+        assert _flags_of(m) == [True, True, True, True, False, False]
+    s.close()
+
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    s = ts.UnfreezeSchedule(m, {0: "0", 1: None})
+    m[1].weight.requires_grad_(True)  # by hand, against the schedule: it stands
+    s.step()
+    s.load_state_dict({"step": 0, "milestones": [0, 1]})
+    assert _flags_of(m) == [True, True, True, False]
+    s.close()
+    assert all(_flags_of(m))

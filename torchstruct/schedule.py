@@ -48,6 +48,11 @@ def _saved_int(value) -> int | None:
         return None
 
 
+def _nothing(path: str, param) -> bool:
+    """The selector of the stage where everything trains: it picks no parameter."""
+    return False
+
+
 def _milestone_selectors(model: nn.Module, step: int, value, strict: bool):
     """A milestone's value -> ``_EVERYTHING`` or a tuple of selectors, checked against ``model``."""
     if value is None or (isinstance(value, str) and value == "*"):
@@ -253,17 +258,19 @@ class UnfreezeSchedule:
                 f"milestones at steps {list(state['milestones'])}, this one has "
                 f"{list(self._steps)}"
             )
-        stage = self._stage_at(step)
-        if stage != self._stage or self._closed:
-            self._swap(stage)
+        # the stage in force too: its context taken again, so a tree changed since (a layer
+        # appended) is judged now, as the load promises, at the stage's place in the stack
+        self._swap(self._stage_at(step))
         self._step = step
 
     # ------------------------------------------------------------------ the context
     def _context_for(self, stage: int):
         """The (validated, not yet applied) context that holds ``stage``, or None."""
         union = self._union(stage)
-        if union is None:
-            return None
+        if union is None:  # everything trains: a context freezing nothing keeps the schedule's
+            # place among the active contexts (and its serial: later writes by hand stand)
+            return freeze.prepared(self.model, _nothing, strict=False,
+                                   freeze_norm_stats=self.freeze_norm_stats)
         for step, sels in zip(self._steps, self._selectors[:stage]):  # the model may have
             _milestone_selectors(self.model, step, sels, self.strict)  # changed: say where
         if not union:
