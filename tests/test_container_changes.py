@@ -214,3 +214,19 @@ def test_a_compiled_wrapper_sees_a_container_change():
     gone = m.layers.pop(2)
     cm(X)
     assert gone.weight.requires_grad and consistent(m)
+
+
+@pytest.mark.parametrize("forward_between", [True, False])
+def test_a_layer_added_where_a_renumbered_one_stood_keeps_its_own_flag(forward_between):
+    """``del m[1]`` moves the old ``m[2]`` to ``"1"``; a frozen layer appended at ``"2"``
+    afterwards is new (it started frozen and stays so), not a copy of the one that moved,
+    whether or not a forward ran between the two edits."""
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    with ts.freeze(m):
+        del m[1]
+        if forward_between:
+            m(torch.randn(1, 2))
+        new = nn.Linear(2, 2).requires_grad_(False)
+        m.append(new)
+        m(torch.randn(1, 2))
+    assert [p.requires_grad for p in m.parameters()] == [True] * 4 + [False] * 2

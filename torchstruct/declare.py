@@ -219,8 +219,10 @@ def _set_mark(module: nn.Module, mark) -> None:
 
 
 # ----------------------------------------------------------------------------- computing
-def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, int | None]:
-    """Where ``p`` (at ``path`` of a tree whose last application was ``last``) starts from.
+def starting_flag(p: nn.Parameter, path: str, last: dict,
+                  present: frozenset | set = frozenset()) -> tuple[bool, int, int | None]:
+    """Where ``p`` (at ``path`` of a tree whose last application was ``last``, whose
+    parameters' ids now are ``present``) starts from.
 
     A parameter torchstruct wrote starts from :func:`torchstruct._state.current` (a write by
     someone else becomes its starting flag, and the contexts applied so far no longer apply to
@@ -228,7 +230,8 @@ def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, in
     torchstruct seeing it (FSDP2, ``load_state_dict(assign=True)``) that carries the flag the
     other one has (the flag torchstruct last wrote, or one written since by someone else, read
     now from the other parameter, which torchstruct still holds) is taken as its copy: it keeps
-    its starting flag and what contexts decided for it.
+    its starting flag and what contexts decided for it. One still in the tree (moved to another
+    path: ``del seq[i]`` renumbers the layers after it) was not replaced: ``p`` is new.
 
     Returns:
         ``(starting flag, serial of the newest context that no longer applies to p (0: none),
@@ -243,6 +246,8 @@ def starting_flag(p: nn.Parameter, path: str, last: dict) -> tuple[bool, int, in
         return p.requires_grad, 0, None
     start, flag, since, rec = before
     old = getattr(rec, "p", None)
+    if old is not None and old is not p and id(old) in present:
+        return p.requires_grad, 0, None  # the one that stood here only moved
     if old is not None and old is not p and (read := _state.current(old)) is not None:
         (start, since), flag = read, old.requires_grad  # a write on it not read yet counts
     if flag is p.requires_grad:
@@ -268,7 +273,8 @@ def effective(
     idx = index(root)
     last = last or {}
     with _state.LOCK:  # contexts remember what they decided for each parameter
-        starts = {id(p): starting_flag(p, path, last) for path, p in idx}
+        present = {id(p) for p in idx.params}
+        starts = {id(p): starting_flag(p, path, last, present) for path, p in idx}
         flags = {i: s[0] for i, s in starts.items()}
         for entry in _state.entries:
             entry.fold(flags, starts, root, idx)
