@@ -473,16 +473,10 @@ def test_parameter_hooks_fire_only_for_uses_outside_stop_gradient():
 # (docs/stop_gradient.md): PyTorch then calls the parameter's tensor hooks with None and runs
 # its post-accumulate-grad hooks, and a node hook may not put a gradient where None was. The
 # oracle is the same function whose backward returns None for the weight, in plain PyTorch.
-class ScaleNoWeightGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x * w
-
+class ScaleNoWeightGrad(Scale):
     @staticmethod
     def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g * w, None
+        return Scale.backward(ctx, g)[0], None
 
 
 def _hooked_run(cut: bool):
