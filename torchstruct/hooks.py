@@ -148,10 +148,11 @@ class State:
                 for p in idx.params:
                     if (held := _state.held_flag(p)) is not None:
                         flags[id(p)] = held
-            if not all(isinstance(p, nn.Parameter) for p in idx.params):
-                # tensors standing in for parameters (torch.func.functional_call): not ours to
-                # write; applied once the parameters are back (by the root's forward, or
-                # another application: the hooks below the root try once only)
+            if not all(isinstance(p, nn.Parameter) and not isinstance(p, _Fake) for p in idx.params):
+                # tensors standing in for parameters (torch.func.functional_call; the fake
+                # parameters torch.export traces with): not ours to write; applied once the
+                # parameters are back (by the root's forward, or another application: the
+                # hooks below the root try once only)
                 self._drop_below()
                 return []
             new = [(path, p, flags[id(p)]) for path, p in idx]
@@ -448,11 +449,21 @@ _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is
 # True inside a torch.func transform (vmap, grad, ...), which refuses requires_grad_(): a change
 # of the tree seen at a forward there waits for the next forward outside
 _transforming = torch._C._are_functorch_transforms_active
+# True while torch.export traces (strict or not), which allows no eager code in its graph: a
+# change of the tree seen there waits for the next forward outside (the traced program does
+# not read flags)
+_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+try:
+    from torch._subclasses.fake_tensor import FakeTensor as _Fake
+except ImportError:  # pragma: no cover - a torch without fake tensors
+    class _Fake:
+        pass
 
 
 def _pre_forward(module: nn.Module, _args) -> None:
     if _is_compiling():  # flags are written eagerly; compiled code guards on them
-        if getattr(module, _state.CHANGED, False):  # guarded: a registration makes it retrace
+        if getattr(module, _state.CHANGED, False) and not _is_exporting():
+            # guarded: a registration makes it retrace
             _apply_eagerly(module)  # a graph break: runs eagerly, before the traced forward
         return
     st = _state.states.get(id(module))
