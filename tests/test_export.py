@@ -76,3 +76,17 @@ def test_a_forward_under_fake_tensors_writes_no_flag_of_the_model():
     assert _flags(m) == before
     m(torch.randn(3, 4))
     assert _flags(m) == _reads(m) == [True, True] + [False] * 6
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_of_a_submodule_leaves_a_change_below_the_root_to_its_next_forward(strict):
+    # docs/freezing.md: after a registration below the root, a forward of the module it was
+    # registered into applies the change first; an export of that module is no such forward
+    m = nn.Sequential(nn.Sequential(nn.Linear(4, 4)), nn.Linear(4, 2))
+    ts.freeze_except(m, "1")
+    m(torch.randn(3, 4))
+    m[0].append(nn.Linear(4, 4))
+    export(m[0], (torch.randn(3, 4),), strict=strict)
+    assert _flags(m) == [False, False, True, True, True, True]
+    m[0](torch.randn(3, 4))
+    assert _flags(m) == _reads(m) == [False, False, False, False, True, True]

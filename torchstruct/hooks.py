@@ -470,7 +470,7 @@ def _pre_forward(module: nn.Module, _args) -> None:
     if st is None:
         return
     changed = st.dirty or st.kind is not type(module) or (st.containers and st.reshaped())
-    if changed and st.root() is module and not _transforming():
+    if changed and st.root() is module and not _transforming() and not _is_exporting():
         st.apply()
 
 
@@ -487,12 +487,17 @@ def _apply_eagerly(module: nn.Module) -> None:
             st.apply()
 
 
-@torch.compiler.disable
 def _pre_forward_below(module: nn.Module, _args) -> None:
     """On a module below an attached root, while a registration into the tree at or under
     ``module`` waits for an application (see :meth:`State.registered_into`): apply it now,
     before ``module``'s forward runs on its own (``model.encoder(x)``). Outside compiled code
-    (a graph break there, only while the change waits)."""
+    (a graph break there, only while the change waits); not while ``torch.export`` traces."""
+    if not _is_exporting():
+        _apply_below(module)
+
+
+@torch.compiler.disable
+def _apply_below(module: nn.Module) -> None:
     if _transforming():
         return
     with _state.LOCK:
