@@ -46,9 +46,9 @@ apply the model's pending change early; its minimal reproduction is kept at the 
 (comments say where: out-of-order exits, a refused call with unread hand writes, attaching a
 copy, a new parameter put at the path of one that left).
 
-Longer hunts: ``TS_FUZZ_EXAMPLES=1500 TS_FUZZ_STEPS=80`` (about 10 minutes; the default, 200 x 40, is sized
-for CI),
-``TS_FUZZ_SHRINK=0`` to report a failure at once (its program is in the message).
+Longer hunts: ``TS_FUZZ_EXAMPLES=1500 TS_FUZZ_STEPS=80`` (about 10 minutes; the default,
+200 x 40, is sized for CI), ``TS_FUZZ_SHRINK=0`` to report a failure at once (its program is in
+the message).
 """
 import copy
 import fnmatch
