@@ -118,3 +118,27 @@ def test_under_functional_call_the_waiting_hooks_try_once_and_the_root_applies_l
     assert sum(len(mod._forward_pre_hooks) for mod in m.encoder.modules()) == 0
     m(X)  # the parameters are back: the root's forward applies
     assert not new.weight.requires_grad and consistent(m)
+
+
+def test_a_module_at_the_address_of_one_that_left_is_not_taken_for_it():
+    # docs/freezing.md: registrations anywhere else in the process cost an attached model
+    # nothing; its waiting change is applied at the next application of its own tree. A
+    # module freed after leaving the tree can leave its address to a new, unrelated module:
+    # registrations into that one, and its forward, must not apply the change early.
+    for _ in range(200):
+        m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        ts.freeze_except(m, "0")  # bare: permanent
+        m(torch.randn(1, 2))
+        old = id(m[1])
+        m[1] = nn.Linear(2, 2)  # the old layer is freed; the new one waits for m's forward
+        lin = nn.Linear(2, 2)  # CPython often puts it at the freed layer's address
+        if id(lin) != old:
+            continue
+        other = nn.Sequential(nn.Linear(2, 2))  # never attached
+        other.append(lin)
+        other(torch.randn(1, 2))
+        assert m[1].weight.requires_grad  # still its own flag: the change waits for m
+        m(torch.randn(1, 2))
+        assert not m[1].weight.requires_grad
+        return
+    pytest.skip("no address reuse happened in 200 tries")

@@ -315,12 +315,12 @@ def forget_decisions(ids: set[int]) -> None:
                 }
 
 
-def _held_again(key: int, value) -> None:
-    """``value`` (a parameter or a module) is registered into the module ``key`` of an
-    attached tree: the parameters that left it and come back are held again by the decisions
-    of the active contexts (:class:`Left` knows a parameter only until its data is replaced:
-    a conversion after it is back keeps the decision)."""
-    if not any(key in st.module_ids for st in list(states.values())):
+def _held_again(module, value) -> None:
+    """``value`` (a parameter or a module) is registered into ``module`` of an attached tree:
+    the parameters that left it and come back are held again by the decisions of the active
+    contexts (:class:`Left` knows a parameter only until its data is replaced: a conversion
+    after it is back keeps the decision)."""
+    if not any(st.holds_module(module) for st in list(states.values())):
         return
     params = ([value] if isinstance(value, torch.Tensor)
               else list(value.parameters()) if isinstance(value, nn.Module) else [])
@@ -469,9 +469,9 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
         return  # not into an attached tree: nothing to do, no lock taken
     with LOCK:  # not while another thread's application walks the tree: it would be lost
         if entries and value is not None:
-            _held_again(key, value)
+            _held_again(module, value)
         for st in list(states.values()):
-            if key in st.module_ids:
+            if st.holds_module(module):
                 grew(st)
                 st.registered_into(module)
 

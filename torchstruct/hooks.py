@@ -49,7 +49,9 @@ class State:
     root: weakref.ref
     dirty: bool = True  # the root's tree changed since the last application
     registrations: int = 0  # registrations into the tree, ever (contexts compare it)
-    module_ids: frozenset = frozenset()  # the tree's modules at the last application
+    # id -> weak reference of the tree's modules at the last application (an id alone may be
+    # a new module's by now, at the address of one that left and was freed)
+    module_ids: dict = field(default_factory=dict)
     # the root's class at the last application: FSDP2's fully_shard changes it as it puts
     # sharded parameters in place without registering them (the next forward applies, and so
     # lets go of the replaced parameters)
@@ -184,7 +186,7 @@ class State:
                 for p, paths in zip(idx.params, idx.paths) for path in paths
             }
             modules = idx.module_objects
-            self.module_ids = frozenset(map(id, modules))
+            self.module_ids = {id(m): weakref.ref(m) for m in modules}
             self.containers = tuple((weakref.ref(m), id(m._modules), len(m._modules))
                                     for m in modules if isinstance(m, _CONTAINERS))
             self._sync_norm_hooks(modules)
@@ -227,6 +229,11 @@ class State:
         self.members, self.last = {}, {}
         self.uninstall()
         _apply_now_if_safe(sharing)
+
+    def holds_module(self, module: nn.Module) -> bool:
+        """Whether ``module`` was in the tree at the last application (this very object)."""
+        ref = self.module_ids.get(id(module))
+        return ref is not None and ref() is module
 
     def live_members(self) -> set[int]:
         """Ids of the parameters of the last application that torchstruct still follows (a
@@ -710,7 +717,7 @@ def apply_pending(module: nn.Module) -> None:
     (a registration since their last application)."""
     with _state.LOCK:
         for st in _state.live_states():
-            if id(module) in st.module_ids and (st.dirty or st.reshaped()):
+            if st.holds_module(module) and (st.dirty or st.reshaped()):
                 st.apply()
 
 
