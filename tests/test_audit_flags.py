@@ -812,6 +812,27 @@ def test_functional_call_on_a_model_with_a_pending_application():
     assert not m[2].weight.requires_grad and consistent(m)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_functional_call_with_parameter_stand_ins_on_a_model_with_a_pending_application(compiled):
+    # stand-ins that are Parameters themselves are not the model's own: the change waits for
+    # the next forward outside, and a hand write read before stands
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    ts.freeze_except(m, "1")
+    m(x3())
+    m[0].weight.requires_grad_(True)  # by hand: it stands
+    m.append(nn.Linear(1, 1))  # frozen by the bare context at the next application
+    before = flags(m)
+    stand_ins = {k: nn.Parameter(v.detach().clone()) for k, v in m.named_parameters()}
+    call = torch.func.functional_call
+    if compiled:
+        call = torch.compile(call, backend="eager")
+    call(m, stand_ins, (x3(),)).sum().backward()
+    assert flags(m) == before == [True, False, True, True, True, True]
+    assert all(v.requires_grad and v.grad is not None for v in stand_ins.values())
+    m(x3())
+    assert flags(m) == [True, False, True, True, False, False] and consistent(m)
+
+
 def test_torch_func_grad_over_functional_call_on_a_model_with_a_pending_application():
     m = _grown_model()
     x = x3()

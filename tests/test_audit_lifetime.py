@@ -177,7 +177,10 @@ def test_models_made_and_dropped_in_a_loop_leave_nothing_behind(loop):
     before = counts()
     for i in range(12):
         loop(i)
-    assert counts() == before
+    after = counts()
+    # a leak grows a count; one may shrink when objects of earlier tests (held by caches that
+    # let go later, such as compiled code's) are freed during the loop
+    assert all(a <= b for a, b in zip(after, before)), (after, before)
 
 
 def _deepcopy(m):

@@ -22,6 +22,7 @@ also what ``torch.jit.script`` needs.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.utils import stateless as _stateless
 
 from . import _compile_caveats, _state
 from ._checks import check_bool, refuse_inference_tensor, refuse_no_grad_dtype
@@ -429,7 +431,8 @@ def _apply_now_if_safe(sharing: list) -> None:
     would anyway. Runs in a weakref callback: never raises (a failing declaration, or a change
     a guard refuses, such as a parameter DDP does not synchronize starting to train, changes
     no flag here and is raised at the next forward)."""
-    if not sharing or _transforming() or not _state.LOCK.enter_if_free():
+    if (not sharing or _transforming() or _in_functional_call()
+            or not _state.LOCK.enter_if_free()):
         return
     try:
         for st in sharing:
@@ -465,6 +468,23 @@ try:
 except ImportError:  # pragma: no cover - a torch without fake tensors
     class _Fake:
         pass
+# torch.func.functional_call runs the forward with its tensors written straight into the
+# modules' dictionaries (no registration), and puts the parameters back the same way after it:
+# an application there would take stand-ins that are Parameters for the model's own (and let go
+# of the real ones), with nothing to apply again once they are back
+_FUNCTIONAL_CALL = frozenset(
+    f.__code__ for f in [getattr(_stateless, "_functional_call", None)] if f)
+
+
+def _in_functional_call() -> bool:
+    """Whether a ``torch.func.functional_call`` runs below this frame (walks the stack: only
+    asked when a change waits)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _FUNCTIONAL_CALL:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _pre_forward(module: nn.Module, _args) -> None:
@@ -477,7 +497,8 @@ def _pre_forward(module: nn.Module, _args) -> None:
     if st is None:
         return
     changed = st.dirty or st.kind is not type(module) or (st.containers and st.reshaped())
-    if changed and st.root() is module and not _transforming() and not _is_exporting():
+    if (changed and st.root() is module and not _transforming() and not _is_exporting()
+            and not _in_functional_call()):
         st.apply()
 
 
@@ -490,7 +511,7 @@ def _apply_eagerly(module: nn.Module) -> None:
         st = _state.state_of(module)
         if st is None or st.hook is None:
             module.__dict__.pop(_state.CHANGED, None)
-        elif st.dirty:
+        elif st.dirty and not _in_functional_call():
             st.apply()
 
 
@@ -505,7 +526,7 @@ def _pre_forward_below(module: nn.Module, _args) -> None:
 
 @torch.compiler.disable
 def _apply_below(module: nn.Module) -> None:
-    if _transforming():
+    if _transforming() or _in_functional_call():
         return
     with _state.LOCK:
         for st in _state.live_states():
