@@ -344,7 +344,8 @@ def _left_frozen(entry: Entry, vanished_only: bool = False) -> list[str]:
     lock, after the exit's application, before the entry ends). ``vanished_only``: only
     those whose path holds no parameter now (nothing was registered into the tree: a
     parameter at the same path is the old one's copy, such as a dtype conversion's, which
-    the exit restored with it)."""
+    the exit restored with it). A parameter at the same path that trains after the exit (a
+    copy put there by ``load_state_dict(assign=True)``) is not named either."""
     scope = entry.scope()
     if scope is None or entry.kind == "unfreeze":
         return []
@@ -356,7 +357,10 @@ def _left_frozen(entry: Entry, vanished_only: bool = False) -> list[str]:
     out = []
     for path, (base, _, _, rec) in entry.present_paths.items():
         key = key_of.get(id(rec))
-        if not base or key is None or key in now or (vanished_only and path in st.last):
+        if not base or key is None or key in now:
+            continue
+        held = st.last.get(path)  # what holds the path now: a copy that trains again is fine
+        if held is not None and (vanished_only or held[1]):
             continue
         if entry.selectors:
             hit = entry.decided.get(key)

@@ -268,7 +268,7 @@ class State:
         option given to ``attach`` aside (see :func:`_opted_out`)."""
         if not (isinstance(mod, _NormBase) and mod.track_running_stats):
             return False
-        params = [p for p in mod._parameters.values() if p is not None]
+        params = _layer_params(mod)
         if not params or any(p.requires_grad for p in params):
             return False
         if not any(_frozen_by_us(p) for p in params):  # frozen by PEFT or by hand: plain
@@ -559,9 +559,17 @@ def _held(module: nn.Module) -> bool:
     hit = _state.frozen_norms.get(id(module))
     if hit is None or hit[0]() is not module:
         return False
-    if any(p is not None and p.requires_grad for p in module._parameters.values()):
+    if any(p.requires_grad for p in _layer_params(module)):
         return False  # unfrozen since the last application (a write by hand): plain
     return not (module.momentum is None and hit[1] is not None)
+
+
+def _layer_params(module: nn.Module) -> list:
+    """A normalization layer's parameters: its own, and where a parametrization moved them
+    (``parametrizations.weight.original``), those below it."""
+    if not module._modules:
+        return [p for p in module._parameters.values() if p is not None]
+    return list(module.parameters())
 
 
 def _stats_version(module: nn.Module) -> tuple:
