@@ -28,6 +28,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch.nn.utils import parametrizations
 
 import torchstruct as ts
+from torchstruct import _state as tstate
 
 export_mod = pytest.importorskip("torch.export")
 export, Dim = export_mod.export, export_mod.Dim
@@ -565,64 +566,39 @@ def test_held_batchnorm_statistics_loaded_with_assign_inside_a_block_stay_held()
 
 
 # ----------------------------------------------------------------------------- known defects
-@pytest.mark.xfail(strict=True, reason="BUG: non-strict torch.export of a forward that enters "
-                   "ts.freeze drops the freeze: the exported module gives the frozen layer "
-                   "gradients, the eager model does not, and nothing is said")
-def test_non_strict_export_of_a_forward_that_enters_freeze_keeps_its_gradients():
+def _entering_in_forward(block):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            with getattr(ts, block)(self, "enc"):
+                return self.head(self.enc(x))
+
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.mark.parametrize("block", ["freeze", "freeze_except", "unfreeze", "constant"])
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_of_a_forward_that_enters_a_flag_context_or_constant_is_refused(block, strict):
     # DESIGN.md (trust): where a case cannot be handled exactly it must raise a clear error,
-    # never a silently wrong gradient. docs/freezing.md "Exporting": no flag is written while
-    # export traces; the program reads no flag. A context entered *inside* the forward is
-    # then lost from the program, so its gradients differ from the eager model's.
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.enc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
-
-        def forward(self, x):
-            with ts.freeze(self, "enc"):
-                return self.head(self.enc(x))
-
-    torch.manual_seed(0)
-    m = Net()
+    # never a silently wrong gradient. An exported program records no requires_grad flag and
+    # no write check: a context or ts.constant entered inside the forward would be missing
+    # from it (its gradients those of the model without the freeze). Strict export wraps the
+    # refusal in dynamo's error, whose text carries it; for ts.constant strict export stops
+    # earlier, at the eager-only block itself.
+    m = _entering_in_forward(block)
     x = torch.randn(3, 4)
-    try:
-        ep = export(m, (x,), strict=False)
-    except (RuntimeError, TypeError, ValueError) as e:  # a clear refusal would do
-        assert "freeze" in str(e)
-        return
-    m(x).sum().backward()
-    eager = _grads(m)
-    assert eager[0] is None and eager[1] is None
-    m.zero_grad(set_to_none=True)
-    ep.module()(x).sum().backward()
-    assert _same_grads(_grads(m), eager)
-
-
-@pytest.mark.xfail(strict=True, reason="BUG: ts.constant entered inside a forward under "
-                   "non-strict torch.export fails with 'Cannot access data pointer of Tensor "
-                   "(e.g. FakeTensor ...)', an internal error that names neither torchstruct "
-                   "nor the block")
-def test_non_strict_export_of_a_forward_that_enters_constant():
-    # DESIGN.md: bad or unsupported input gets a clear error; nothing crashes obscurely.
-    # ts.stop_gradient and ts.swap entered the same way export correctly (test above).
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.enc, self.head = nn.Linear(4, 4), nn.Linear(4, 2)
-
-        def forward(self, x):
-            with ts.constant(self, "enc"):
-                return self.head(self.enc(x))
-
-    torch.manual_seed(0)
-    m = Net()
-    x = torch.randn(3, 4)
-    try:
-        ep = export(m, (x,), strict=False)
-    except Exception as e:  # noqa: BLE001 - the message is what is checked
-        assert "constant" in str(e), str(e)[:300]
-        return
-    torch.testing.assert_close(ep.module()(x), m(x))
+    before = _flags(m)
+    with pytest.raises(Exception) as info:
+        export(m, (x,), strict=strict)
+    if not (strict and block == "constant"):
+        assert f"ts.{block}: entered while torch.export traces" in str(info.value)
+    assert _flags(m) == before and not tstate.entries  # nothing changed, nothing left active
+    m(x).sum().backward()  # eager, the block works as ever
+    assert (m.enc.weight.grad is None) is (block in ("freeze",))
 
 
 def _parametrized_bn_net(names):

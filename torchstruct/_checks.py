@@ -10,7 +10,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["check_bool", "check_callable", "refuse_lazy", "refuse_no_grad_dtype"]
+__all__ = ["check_bool", "check_callable", "refuse_lazy", "refuse_no_grad_dtype",
+           "refuse_while_exporting"]
+
+# True while torch.export traces, strict or not (absent from older torch: never)
+is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
 
 
 def check_bool(value, name: str, who: str, *, none: bool = False):
@@ -23,6 +27,19 @@ def check_bool(value, name: str, who: str, *, none: bool = False):
         return value
     allowed = "True, False or None" if none else "True or False"
     raise TypeError(f"{who}: {name} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+def refuse_while_exporting(who: str) -> None:
+    """``RuntimeError`` when ``who`` is entered while ``torch.export`` traces: an exported
+    program holds no ``requires_grad`` flags and no guard, so the block would be lost from it
+    (its gradients and checks silently those of the model without the block)."""
+    if is_exporting():
+        raise RuntimeError(
+            f"{who}: entered while torch.export traces (inside the model's forward); an "
+            "exported program records no requires_grad flags or write checks, so this block "
+            "would be missing from it. Enter it around the calls of the exported module "
+            "(ep.module()) instead (non-strict export does record ts.stop_gradient and "
+            "ts.swap inside a forward).")
 
 
 def check_callable(f, name: str, who: str):

@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import (TorchDispatchMode, _get_current_dispat
                                           _pop_mode, _push_mode)
 
 from . import _checkpoints, _compile_caveats, _custom_functions, _state
-from ._checks import check_bool, refuse_lazy
+from ._checks import check_bool, refuse_lazy, refuse_while_exporting
 from ._ops import run_eagerly
 from ._reference import _place
 from .contexts import _Context
@@ -801,6 +801,7 @@ class constant(_Context):
     @run_eagerly
     def _apply(self) -> None:
         model, *selectors = self._args
+        refuse_while_exporting("ts.constant")
         _check_model("constant", model)
         check_bool(self._kwargs["strict"], "strict", "constant")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])

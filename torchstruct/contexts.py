@@ -24,7 +24,7 @@ from typing import Callable, ClassVar
 from torch import nn
 
 from . import _checkpoints, _state, hooks
-from ._checks import check_bool
+from ._checks import check_bool, refuse_while_exporting
 from .select import ParamIndex, index, select
 
 __all__ = ["freeze", "freeze_except", "unfreeze", "RestoredFlagsWarning"]
@@ -609,6 +609,7 @@ class _FlagContext(_Context):
         """Validate the arguments (raises before any change) and build the stack entry."""
         model, *selectors = self._args
         who = type(self).__name__
+        refuse_while_exporting(f"ts.{who}")
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"{who}: first argument must be an nn.Module, got {type(model).__name__}"

@@ -34,6 +34,7 @@ from torch.nn.utils import stateless as _stateless
 
 from . import _compile_caveats, _state
 from ._checks import check_bool, refuse_inference_tensor, refuse_no_grad_dtype
+from ._checks import is_exporting as _is_exporting
 from .declare import effective
 
 __all__ = ["attach", "detach_hooks"]
@@ -459,10 +460,9 @@ _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is
 # True inside a torch.func transform (vmap, grad, ...), which refuses requires_grad_(): a change
 # of the tree seen at a forward there waits for the next forward outside
 _transforming = torch._C._are_functorch_transforms_active
-# True while torch.export traces (strict or not), which allows no eager code in its graph: a
-# change of the tree seen there waits for the next forward outside (the traced program does
-# not read flags)
-_is_exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+# While torch.export traces (_is_exporting, strict or not), which allows no eager code in its
+# graph, a change of the tree seen there waits for the next forward outside (the traced program
+# does not read flags); non-strict export runs on fake parameters, never taken for the model's
 try:
     from torch._subclasses.fake_tensor import FakeTensor as _Fake
 except ImportError:  # pragma: no cover - a torch without fake tensors
