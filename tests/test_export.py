@@ -90,3 +90,27 @@ def test_export_of_a_submodule_leaves_a_change_below_the_root_to_its_next_forwar
     assert _flags(m) == [False, False, True, True, True, True]
     m[0](torch.randn(3, 4))
     assert _flags(m) == _reads(m) == [False, False, False, False, True, True]
+
+
+def test_the_programs_normalization_layers_are_fixed_when_it_is_exported():
+    # docs/freezing.md "Exporting": held at export, traced as held; not held at export, the
+    # program runs as traced (training mode: it updates the statistics it shares), whatever
+    # torchstruct holds later
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).train()
+    ts.attach(m)
+    plain = export(m, (x,)).module()
+    with ts.freeze(m, "1"):
+        held = export(m, (x,)).module()
+        stats = m[1].running_mean.clone()
+        plain(x)
+        assert not torch.equal(m[1].running_mean, stats)  # the program updates them
+        stats = m[1].running_mean.clone()
+        m(x)
+        assert torch.equal(m[1].running_mean, stats)  # the model holds them
+    stats = m[1].running_mean.clone()
+    held(x)
+    assert torch.equal(m[1].running_mean, stats)  # held as when it was exported
+    m(x)
+    assert not torch.equal(m[1].running_mean, stats)
