@@ -258,11 +258,14 @@ def pop(entry: Entry) -> None:
             born = _born_frozen(entry) if grown else []
             # the exit's application walked the tree: what left it is known, added to or not
             # (a parameter deleted and a buffer registered in its place registers nothing)
-            left = _left_frozen(entry, vanished_only=not grown)
+            left = _left_changed(entry, vanished_only=not grown)
         finally:
             entry.end()
     turned_on = [path for path, _, flag in changes if flag] if grown else []
-    warn_undone(f"ts.{entry.kind}", turned_on, born, left, grown=grown)
+    if entry.kind == "unfreeze":
+        warn_undone("ts.unfreeze", [], [], [], grown=grown, left_on=left)
+    else:
+        warn_undone(f"ts.{entry.kind}", turned_on, born, left, grown=grown)
 
 
 def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
@@ -338,17 +341,19 @@ def _born_frozen(entry: Entry) -> list[str]:
     return out
 
 
-def _left_frozen(entry: Entry, vanished_only: bool = False) -> list[str]:
-    """Paths (as when the block was entered) of the parameters whose starting flag is on,
-    that the block froze, and that left its scope's tree inside the block (call under the
-    lock, after the exit's application, before the entry ends). ``vanished_only``: only
-    those whose path holds no parameter now (nothing was registered into the tree: a
-    parameter at the same path is the old one's copy, such as a dtype conversion's, which
-    the exit restored with it). A parameter at the same path that trains after the exit (a
-    copy put there by ``load_state_dict(assign=True)``) is not named either."""
+def _left_changed(entry: Entry, vanished_only: bool = False) -> list[str]:
+    """Paths (as when the block was entered) of the parameters whose flag the block changed
+    (froze one whose starting flag is on; for ``unfreeze``, turned on one whose starting flag
+    is off) and that left its scope's tree inside the block (call under the lock, after the
+    exit's application, before the entry ends). ``vanished_only``: only those whose path
+    holds no parameter now (nothing was registered into the tree: a parameter at the same
+    path is the old one's copy, such as a dtype conversion's, which the exit restored with
+    it). A parameter at the same path whose flag is the starting one after the exit (a copy
+    put there by ``load_state_dict(assign=True)``) is not named either."""
     scope = entry.scope()
-    if scope is None or entry.kind == "unfreeze":
+    if scope is None:
         return []
+    changed_from = entry.kind != "unfreeze"  # the starting flag the block changes
     st = hooks.state_for(scope)
     now = st.members
     if entry.present.keys() <= now.keys():  # nothing left (the usual case: one C-level pass)
@@ -357,10 +362,10 @@ def _left_frozen(entry: Entry, vanished_only: bool = False) -> list[str]:
     out = []
     for path, (base, _, _, rec) in entry.present_paths.items():
         key = key_of.get(id(rec))
-        if not base or key is None or key in now:
+        if base is not changed_from or key is None or key in now:
             continue
-        held = st.last.get(path)  # what holds the path now: a copy that trains again is fine
-        if held is not None and (vanished_only or held[1]):
+        held = st.last.get(path)  # what holds the path now: one with that flag again is fine
+        if held is not None and (vanished_only or held[1] is changed_from):
             continue
         if entry.selectors:
             hit = entry.decided.get(key)
@@ -369,7 +374,7 @@ def _left_frozen(entry: Entry, vanished_only: bool = False) -> list[str]:
             picked = hit[1]
         else:  # no selector: the whole scope
             picked = entry.inside is None or key in entry.inside
-        if picked is (entry.kind == "freeze"):  # selected by freeze, not by freeze_except
+        if picked is (entry.kind != "freeze_except"):  # selected, or not by freeze_except
             out.append(path)
     return out
 
@@ -380,14 +385,15 @@ def _names(paths: list[str]) -> str:
 
 
 def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[str],
-                grown: bool = True) -> None:
+                grown: bool = True, left_on: list[str] = ()) -> None:
     """Leaving ``block`` (its name, for the message), in which modules were added (``grown``;
     else only ``left`` can be non-empty): a same-value ``requires_grad_(False)``
     written inside it (``get_peft_model`` freezing the base model) cannot be told apart from
     the block's own freezing, and is undone; a parameter created inside it may have copied
     the flag the block wrote (a parametrization such as ``weight_norm``) and stays frozen; a
-    frozen parameter that left may have been replaced by something that copied its flag.
-    Say so, naming the parameters."""
+    frozen parameter that left may have been replaced by something that copied its flag
+    (``left_on``: a parameter an ``unfreeze`` block turned on that left, by something that
+    copied the True it had). Say so, naming the parameters."""
     said = []
     if turned_on:
         said.append(
@@ -413,6 +419,14 @@ def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[st
             "parametrization with several originals, such as weight_norm, registers a result "
             "that does not require grad as a buffer), it does not train now: make that change "
             "outside the block, or register it as a trainable parameter again."
+        )
+    if left_on:
+        said.append(
+            f"{len(left_on)} parameter(s) frozen before the block, that the block unfroze, "
+            f"left the model inside it: {_names(left_on)}. If code put something in their "
+            "place that copied the flag the block wrote (a parametrization such as weight_norm "
+            "copies it into its originals), it trains now: freeze it again after the block "
+            "(ts.freeze(model, ...) without `with`), or make that change outside the block."
         )
     if said:
         what = ("modules or parameters were added to the model inside the block"
