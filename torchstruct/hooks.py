@@ -153,7 +153,8 @@ class State:
                 for p in idx.params:
                     if (held := _state.held_flag(p)) is not None:
                         flags[id(p)] = held
-            if not all(isinstance(p, nn.Parameter) and not isinstance(p, _Fake) for p in idx.params):
+            if not all(isinstance(p, nn.Parameter) and not isinstance(p, _Fake)
+                       for p in idx.params):
                 # tensors standing in for parameters (torch.func.functional_call; the fake
                 # parameters torch.export traces with): not ours to write; applied once the
                 # parameters are back (by the root's forward, or another application: the
@@ -462,7 +463,8 @@ _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is
 _transforming = torch._C._are_functorch_transforms_active
 # While torch.export traces (_is_exporting, strict or not), which allows no eager code in its
 # graph, a change of the tree seen there waits for the next forward outside (the traced program
-# does not read flags); non-strict export runs on fake parameters, never taken for the model's
+# does not read flags); non-strict export runs on fake parameters, which an application never
+# takes for the model's own (State.apply)
 try:
     from torch._subclasses.fake_tensor import FakeTensor as _Fake
 except ImportError:  # pragma: no cover - a torch without fake tensors
