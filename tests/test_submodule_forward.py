@@ -105,19 +105,24 @@ def test_a_compiled_submodule_applies_a_waiting_change():
     assert not new.weight.requires_grad
 
 
-def test_under_functional_call_the_waiting_hooks_try_once_and_the_root_applies_later():
+@pytest.mark.parametrize("as_parameters", [False, True])
+def test_under_functional_call_the_waiting_hooks_wait_for_a_forward_outside(as_parameters):
     m = EncDec()
     ts.freeze_except(m, "decoder")
     m(X)
     new = nn.Linear(3, 3)
     m.encoder[1].append(new)
-    params = {k: v.detach().clone() for k, v in m.named_parameters()}  # stand-ins
+    waiting = sum(len(mod._forward_pre_hooks) for mod in m.encoder.modules())
+    assert waiting > 0
+    wrap = nn.Parameter if as_parameters else (lambda t: t)
+    params = {k: wrap(v.detach().clone()) for k, v in m.named_parameters()}  # stand-ins
     torch.func.functional_call(m.encoder, {k[len("encoder."):]: v for k, v in params.items()
                                            if k.startswith("encoder.")}, (X,))
     assert new.weight.requires_grad  # the parameters were not in place: nothing written
-    assert sum(len(mod._forward_pre_hooks) for mod in m.encoder.modules()) == 0
-    m(X)  # the parameters are back: the root's forward applies
+    assert sum(len(mod._forward_pre_hooks) for mod in m.encoder.modules()) == waiting
+    m.encoder(X)  # the parameters are back: the encoder's own forward applies
     assert not new.weight.requires_grad and consistent(m)
+    assert sum(len(mod._forward_pre_hooks) for mod in m.encoder.modules()) == 0
 
 
 def test_a_module_at_the_address_of_one_that_left_is_not_taken_for_it():

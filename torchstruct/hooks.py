@@ -155,10 +155,11 @@ class State:
                         flags[id(p)] = held
             if not all(isinstance(p, nn.Parameter) and not isinstance(p, _Fake)
                        for p in idx.params):
-                # tensors standing in for parameters (torch.func.functional_call; the fake
-                # parameters torch.export traces with): not ours to write; applied once the
-                # parameters are back (by the root's forward, or another application: the
-                # hooks below the root try once only)
+                # tensors standing in for parameters, put there by code the hooks do not
+                # see (functional_call they see, and skip: stateless._reparametrize_module
+                # used directly; the fake parameters of a torch.export before is_exporting):
+                # not ours to write; applied once the parameters are back (by the root's
+                # forward, or another application: the hooks below the root try once only)
                 self._drop_below()
                 return []
             new = [(path, p, flags[id(p)]) for path, p in idx]
