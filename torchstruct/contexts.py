@@ -251,21 +251,28 @@ def pop(entry: Entry) -> None:
         governing = hooks.state_for(scope) if scope is not None else None
         if governing is not None:
             governing.reshaped()  # a container changed by its own methods inside the block
-        registrations = governing.registrations if governing is not None else 0
         try:
             changes = _apply_around(entry, refuse=False)
-            grown = registrations != entry.registrations
-            born = _born_frozen(entry) if grown else []
-            # the exit's application walked the tree: what left it is known, added to or not
-            # (a parameter deleted and a buffer registered in its place registers nothing)
-            left = _left_changed(entry, vanished_only=not grown)
+            said = _undone(entry, changes)
         finally:
             entry.end()
-    turned_on = [path for path, _, flag in changes if flag] if grown else []
+    warn_undone(f"ts.{entry.kind}", **said)
+
+
+def _undone(entry: Entry, changes: list) -> dict:
+    """What leaving ``entry`` (its exit's application made ``changes``) may have undone that
+    code inside it wrote (call under the lock, before the entry ends): the arguments of
+    :func:`warn_undone` but the block's name."""
+    scope = entry.scope()
+    governing = hooks.state_for(scope) if scope is not None else None
+    grown = governing is not None and governing.registrations != entry.registrations
+    # the exit's application walked the tree: what left it is known, added to or not (a
+    # parameter deleted and a buffer registered in its place registers nothing)
+    left = _left_changed(entry, vanished_only=not grown)
     if entry.kind == "unfreeze":
-        warn_undone("ts.unfreeze", [], [], [], grown=grown, left_on=left)
-    else:
-        warn_undone(f"ts.{entry.kind}", turned_on, born, left, grown=grown)
+        return {"turned_on": [], "born": [], "left": [], "grown": grown, "left_on": left}
+    return {"turned_on": [path for path, _, flag in changes if flag] if grown else [],
+            "born": _born_frozen(entry) if grown else [], "left": left, "grown": grown}
 
 
 def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
@@ -281,13 +288,15 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
         return
     with _changing_entries(), hooks.attached_or_as_before(anchor.scope()):
         saved = list(_state.entries)
+        if (scope := anchor.scope()) is not None:
+            hooks.state_for(scope).reshaped()  # a container changed by its own methods: seen
         for entry in news:  # a stage change continues the stage it replaces: its serial
             scope = entry.scope()
             entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
             entry.serial = olds[0].serial if olds else _state.next_serial()
         _state.entries[:] = _swapped(saved, olds, news)
         try:
-            _apply_around(anchor)
+            changes = _apply_around(anchor)
         except BaseException:
             _state.entries[:] = saved
             try:
@@ -297,14 +306,19 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
                     entry.end()
             raise
         _state.applied_through = max([_state.applied_through] + [e.serial for e in news])
-        for entry in news:
-            _remember_present(entry)
-        for entry in olds:
-            entry.end()
+        try:  # what leaving the old stage may have undone, as a block's exit says it
+            said = [_undone(entry, changes) for entry in olds]
+        finally:
+            for entry in news:
+                _remember_present(entry)
+            for entry in olds:
+                entry.end()
     if old is not None:
         old._active = False
     if new is not None:
         new._active = True
+    for kwargs in said:
+        warn_undone("a stage of ts.UnfreezeSchedule", **kwargs)
 
 
 def _remember_present(entry: Entry) -> None:

@@ -81,18 +81,25 @@ class State:
         """Whether a container of the tree was changed by one of its own methods (``insert``,
         ``pop``, ``del m[i]``, which write its ``_modules`` without a registration) since the
         last application: the identity and length of each container's ``_modules`` (``del``
-        puts a new dict in place), not a walk of the tree. A change found counts as a
-        registration (the next forward applies; contexts see that the tree grew)."""
+        puts a new dict in place), not a walk of the tree. The next forward applies; unless
+        every change found only shrank a container (``pop``, ``del``), it counts as a
+        registration (contexts see that the tree grew)."""
+        changed = grown = False
         for ref, key, n in self.containers:
             c = ref()
             if c is not None:
                 mods = c._modules
                 if id(mods) == key and len(mods) == n:
                     continue
-            self.containers = ()  # counted once; the application looks again
-            _state.grew(self)
-            return True
-        return False
+                grown = grown or len(mods) >= n
+            else:
+                grown = True
+            changed = True
+        if not changed:
+            return False
+        self.containers = ()  # counted once; the application looks again
+        (_state.grew if grown else _state.mark_changed)(self)
+        return True
 
     def registered_into(self, module: nn.Module) -> None:
         """A parameter or module was registered into ``module``, a module of this tree: until
