@@ -15,7 +15,19 @@ kept open on a stack and left innermost-first or out of order; bare (permanent) 
 later; ``ts.mark_trainable`` and its removal; ``requires_grad_()`` by hand; forwards, backwards and
 ``ts.optim.SGD`` steps; tree edits (append, replace, delete; inside and outside blocks); an
 ``UnfreezeSchedule`` (step, state_dict, load_state_dict, close); ``copy.deepcopy`` of the model
-(plain PyTorch until attached); ``ts.attach`` again; bad selectors.
+(plain PyTorch until attached); ``ts.attach`` again; bad selectors. Also (docs/freezing.md "Hooks",
+"When the hook does not see a change", "Tensor swapping"): parameters replaced without a container
+edit (``module.bias = nn.Parameter(...)``, ``del`` then ``register_parameter``,
+``torch.utils.swap_tensors``, ``load_state_dict(sd, assign=True)`` with Parameters or tensors,
+``model.to(dtype)`` by ``.data``, by swapping and by overwriting ``_parameters``);
+``torch.nn.utils.parametrize`` register/remove on a body Linear (``Same``, ``weight_norm``);
+forwards that must not apply (``torch.func.functional_call``, a part beside the change) and that
+must (a forward under ``checkpoint(..., use_reentrant=False)``, compared with the gradients without
+it; a forward of the module registered into, or of one between it and the root);
+``ts.structural_grad`` with and without ``wrt`` (flags inside the call, every flag back after it,
+the tree against ``torch.autograd.grad`` on a plain copy, normalization as outside the call);
+``ts.stop_gradient`` and ``ts.swap`` blocks around a forward and backward (which parameters and
+stand-ins get ``.grad``; the hook applies inside them on the parameters' own flags).
 
 The oracle (``Reference`` below) is written from the contract text only, never from the
 library's code. Per parameter *object* it keeps the starting flag, the flag torchstruct last
@@ -43,7 +55,9 @@ Modules that leave the model are dropped at once, so that new ones may reuse the
 (a module at the address of one that left must not be taken for it). Where the contract is
 ambiguous the machine tests only what is pinned (comments say where: out-of-order exits, a
 refused call with unread hand writes, attaching a copy, a new parameter put at the path of one
-that left).
+that left, reads of new parameters the hook has not applied yet, structural_grad with changes
+or hand writes waiting). Known bugs have plain reproductions at the end of the file
+(``xfail(strict=True)``); the machine steers around them where it names them.
 
 Longer hunts: ``TS_FUZZ_EXAMPLES=1500 TS_FUZZ_STEPS=80`` (about 10 minutes; the default,
 200 x 40, is sized for CI), ``TS_FUZZ_SHRINK=0`` to report a failure at once (its program is in
