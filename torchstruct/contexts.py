@@ -288,8 +288,9 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
         return
     with _changing_entries(), hooks.attached_or_as_before(anchor.scope()):
         saved = list(_state.entries)
-        if (scope := anchor.scope()) is not None:
-            hooks.state_for(scope).reshaped()  # a container changed by its own methods: seen
+        model = anchor.scope()
+        if model is not None:  # a container changed by its own methods since: seen
+            hooks.state_for(model).reshaped()
         for entry in news:  # a stage change continues the stage it replaces: its serial
             scope = entry.scope()
             entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
