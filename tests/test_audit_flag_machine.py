@@ -1410,11 +1410,6 @@ TestFlagMachine = FlagMachine.TestCase
 
 
 # ------------------------------------------------------------------------------ reproductions
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a forward of the root under torch.utils.checkpoint that applies a waiting change "
-    "while a context is active recomputes with the flags from before the application; "
-    "docs/freezing.md 'Activation checkpointing': the recomputation must see the flags the "
-    "forward saw, 'its gradients are then those of the same model without checkpointing'"))
 def test_checkpoint_forward_that_applies_a_waiting_change():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))

@@ -90,6 +90,38 @@ def test_a_function_bound_to_no_module_recomputes_with_the_flags_of_the_forward(
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("backward_inside", [True, False])
+def test_a_forward_that_applies_a_waiting_change_recomputes_with_the_flags_it_applied(
+        reentrant, backward_inside):
+    """A layer added inside the block waits, frozen by the block's rule, for the next forward;
+    that forward runs checkpointed: its recomputation sees the layer frozen as the forward
+    did. A batch of 3 on 3-wide layers: the saved tensors of a recomputation with the layer
+    still trainable have the same shapes, so torch's own check would not see them."""
+    def run(mode):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+        ts.attach(m)
+        x = torch.randn(3, 3, requires_grad=True)
+        with pytest.warns(ts.RestoredFlagsWarning, match="'2.weight', '2.bias'"):
+            with ts.freeze_except(m, "0"):
+                m[2] = nn.Linear(3, 3)  # added inside the block: frozen at the next forward
+                y = m(x) if mode is None else checkpoint(m, x, use_reentrant=mode)
+                assert not m[2].weight.requires_grad
+                if backward_inside:
+                    y.square().sum().backward()
+        if not backward_inside:
+            y.square().sum().backward()
+        return m, grads(m), x.grad
+
+    plain, want, want_x = run(None)
+    ckpt, got, got_x = run(reentrant)
+    same_grads(got, want)
+    torch.testing.assert_close(got_x, want_x, rtol=0, atol=0)
+    assert got["2.weight"] is None
+    assert flags(ckpt) == flags(plain)
+
+
 def test_inside_the_block_nothing_changes():
     for mode in (None, True):
         m = Net(mode)

@@ -59,7 +59,7 @@ _GENERATOR = getattr(torch.utils.checkpoint, _GENERATOR_NAME, None)
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"  # imports it by name
 _AROUND_LOCK = threading.Lock()
 _AROUND: dict = {}  # key -> around(forward, ctx, run_function, preserve_rng_state, *args)
-_RECOMPUTE: dict = {}  # key -> capture(fn) -> what the non-reentrant recomputation runs
+_RECOMPUTE: dict = {}  # key -> capture(fn, settle) -> what the non-reentrant recomputation runs
 
 
 def around(key: str, fn) -> None:
@@ -81,8 +81,10 @@ def _set(key: str, fn) -> None:
 
 def _set_recompute(key: str, capture) -> None:
     """Under ``around``'s lock: a non-reentrant checkpoint called from now on recomputes
-    ``capture(fn)`` instead of its function ``fn`` (called at its forward, in the forward's
-    thread), or stop (``capture`` None). Several compose, in the order they were first given."""
+    ``capture(fn, settle)`` instead of its function ``fn`` (called as its forward begins, in
+    the forward's thread; what it appends to ``settle`` is called once the forward has
+    returned), or stop (``capture`` None). Several compose, in the order they were first
+    given."""
     if _GENERATOR is None:  # pragma: no cover - a torch without the non-reentrant generator
         return
     if capture is None:
@@ -101,9 +103,13 @@ def _set_recompute(key: str, capture) -> None:
 
 
 def _generator(fn, *rest, **kwargs):
+    settle = []  # what a capture reads once the forward has returned
     for capture in list(_RECOMPUTE.values()):
-        fn = capture(fn)
-    return (yield from _GENERATOR(fn, *rest, **kwargs))
+        fn = capture(fn, settle)
+    out = yield from _GENERATOR(fn, *rest, **kwargs)
+    for read in settle:
+        read()
+    return out
 
 
 def _forward(ctx, run_function, preserve_rng_state, *args):
@@ -161,10 +167,20 @@ def _remember_flags(forward, ctx, run_function, preserve_rng_state, *args):
     return out
 
 
-def _flags_kept(fn):
-    """A non-reentrant checkpoint's function, recomputed with the flags of its forward."""
-    flags = _flags_for(fn)
-    return functools.partial(_recompute, flags, fn) if flags else fn
+def _flags_kept(fn, settle: list):
+    """A non-reentrant checkpoint's function, recomputed with the flags of its forward: those
+    it ended with, read once it has returned (its first hook may apply a waiting change)."""
+    flags = []
+
+    def read():
+        flags[:] = _flags_for(fn)
+
+    settle.append(read)
+    return functools.partial(_recompute_kept, flags, fn)
+
+
+def _recompute_kept(flags: list, fn, *args, **kwargs):
+    return _recompute(tuple(flags), fn, *args, **kwargs)
 
 
 def _stand_ins() -> list:
@@ -172,7 +188,7 @@ def _stand_ins() -> list:
             if getattr(m, "stands_in", False)]
 
 
-def _blocks_kept(fn):
+def _blocks_kept(fn, settle: list):
     """A non-reentrant checkpoint's function, recomputed inside the blocks its forward ran in:
     those still active (a backward called inside a block runs without it: torch calls it from
     the block's own handler) and those that have exited since (a block's mode keeps what it
