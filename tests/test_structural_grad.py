@@ -129,6 +129,55 @@ def test_callable_value_unchanged_with_batchnorm_in_train_mode():
     assert ts.tree.paths(g) == ["2.weight", "2.bias"]
 
 
+@pytest.mark.parametrize("wrt", ["1", "1.weight", ["0", "1"], None])
+def test_a_batchnorm_torchstruct_holds_stays_held_when_asked_for(wrt):
+    """A BatchNorm frozen by torchstruct keeps its statistics in training forwards; asking for
+    its parameters turns them on for the loss only, and the loss still sees the layer held:
+    the value is loss(model), the statistics stay, and the gradient is that of the layer
+    normalizing with its running statistics (brute force: a copy in eval mode)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    m[1].running_mean.normal_()
+    m[1].running_var.uniform_(0.5, 2.0)
+    ts.freeze(m, "1")
+    x = torch.randn(6, 3)
+    ref = copy.deepcopy(m)
+    ref[1].eval()
+    ref[1].requires_grad_(True)
+    stats = (m[1].running_mean.clone(), m[1].running_var.clone(), m[1].num_batches_tracked.clone())
+    value, g = ts.value_and_grad(lambda mm: mm(x).square().mean(), m, wrt=wrt)
+    loss = ref(x).square().mean()
+    want = dict(zip([n for n, _ in ref.named_parameters()],
+                    torch.autograd.grad(loss, list(ref.parameters()))))
+    torch.testing.assert_close(value, loss.detach(), rtol=0, atol=0)
+    for buf, before in zip((m[1].running_mean, m[1].running_var, m[1].num_batches_tracked), stats):
+        assert torch.equal(buf, before)
+    paths = ts.tree.paths(g)
+    assert paths == ({"1": ["1.weight", "1.bias"], "1.weight": ["1.weight"],
+                      None: ["0.weight", "0.bias", "2.weight", "2.bias"]}.get(wrt)
+                     if not isinstance(wrt, list) else
+                     ["0.weight", "0.bias", "1.weight", "1.bias"])
+    leaves = dict(zip(paths, ts.tree.leaves(g)))
+    for path, leaf in leaves.items():
+        torch.testing.assert_close(leaf, want[path], rtol=0, atol=0)
+    assert m.training and m[1].training
+    assert not m[1].weight.requires_grad and m[0].weight.requires_grad
+
+
+def test_a_batchnorm_unfrozen_by_hand_is_not_held_when_asked_for():
+    """Unfrozen by hand since the last application: plain, in the loss as outside it."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    ts.freeze(m, "1")
+    m[1].requires_grad_(True)
+    x = torch.randn(6, 3)
+    ref = copy.deepcopy(m)
+    value, _ = ts.value_and_grad(lambda mm: mm(x).square().mean(), m, wrt="1")
+    torch.testing.assert_close(value, ref(x).square().mean().detach(), rtol=0, atol=0)
+    torch.testing.assert_close(m[1].running_mean, ref[1].running_mean, rtol=0, atol=0)
+    assert not torch.equal(m[1].running_mean, torch.zeros(4))
+
+
 class WithUnused(nn.Module):
     def __init__(self):
         super().__init__()

@@ -76,7 +76,9 @@ def _set(key: str, fn) -> None:
         _AROUND.pop(key, None)
     else:
         _AROUND[key] = fn
-    _CHECKPOINT.forward = staticmethod(_forward) if _AROUND else _FORWARD
+    wrapped = getattr(_CHECKPOINT.__dict__["forward"], "__func__", None) is _forward
+    if bool(_AROUND) is not wrapped:  # the same object while it stays wrapped
+        _CHECKPOINT.forward = staticmethod(_forward) if _AROUND else _FORWARD
 
 
 def _set_recompute(key: str, capture) -> None:

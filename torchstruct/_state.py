@@ -356,6 +356,16 @@ def held_flag(p) -> bool | None:
     return None
 
 
+def flag_outside_blocks(p) -> bool:
+    """``p``'s flag as it was before the oldest running ``structural_grad(wrt=)`` block that
+    holds it wrote it; its flag now when none holds it."""
+    for block in held_flags:
+        hit = block.flags.get(id(p))
+        if hit is not None and hit[0] is p:
+            return block.before.get(id(p), p.requires_grad)
+    return p.requires_grad
+
+
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began, the version of its
 # running_mean then): layers whose running statistics are held now
 frozen_norms: dict[int, tuple[weakref.ref, object, int]] = {}

@@ -563,13 +563,15 @@ _module_mod.register_module_module_registration_hook(_on_module_registered)
 
 def _held(module: nn.Module) -> bool:
     """Whether a live state holds ``module``'s statistics now. Not while one of its parameters
-    requires grad (unfrozen by hand since the last application), nor while the layer was
+    requires grad (unfrozen by hand since the last application; a flag a running
+    ``structural_grad(wrt=)`` block turned on for its loss counts as it was before: the loss
+    sees the layer as ``loss(model)`` does), nor while the layer was
     switched to a cumulative average since the hold began (``momentum=None``: what
     ``torch.optim.swa_utils.update_bn`` does to recompute the statistics on purpose)."""
     hit = _state.frozen_norms.get(id(module))
     if hit is None or hit[0]() is not module:
         return False
-    if any(p.requires_grad for p in _layer_params(module)):
+    if any(_state.flag_outside_blocks(p) for p in _layer_params(module)):
         return False  # unfrozen since the last application (a write by hand): plain
     return not (module.momentum is None and hit[1] is not None)
 
