@@ -56,8 +56,8 @@ Modules that leave the model are dropped at once, so that new ones may reuse the
 ambiguous the machine tests only what is pinned (comments say where: out-of-order exits, a
 refused call with unread hand writes, attaching a copy, a new parameter put at the path of one
 that left, reads of new parameters the hook has not applied yet, structural_grad with changes
-or hand writes waiting). Known bugs have plain reproductions at the end of the file
-(``xfail(strict=True)``); the machine steers around them where it names them.
+or hand writes waiting). A bug it finds gets a plain reproduction in the test file of its
+feature.
 
 Longer hunts: ``TS_FUZZ_EXAMPLES=1500 TS_FUZZ_STEPS=80`` (about 10 minutes; the default,
 200 x 40, is sized for CI), ``TS_FUZZ_SHRINK=0`` to report a failure at once (its program is in
@@ -414,13 +414,6 @@ class FlagMachine(RuleBasedStateMachine):
 
     def in_model(self, mod):
         return any(m is mod for m in self.model.modules())
-
-    def regs_into_new(self, mod):
-        """Registrations waiting below ``mod`` into a module that joined the tree after the last
-        application: a forward of it does not apply them (test_registration_into_a_module_added_
-        since_the_last_application); the rules that would show it steer around them."""
-        return any(any(q is m for q in mod.modules()) and not any(k is m for k in self.ref.known)
-                   for m in self.ref.pending_regs)
 
     def batch(self, dtype=None):
         return torch.randn(6, D, dtype=dtype or self.dtype, requires_grad=True)
@@ -1167,8 +1160,6 @@ class FlagMachine(RuleBasedStateMachine):
         beside it does not, nor does one after a container's del or a write the hook does not
         see (those wait for the root)."""
         name, mod = data.draw(st.sampled_from(self.part_targets()), label="part")
-        if self.regs_into_new(mod):
-            return  # see regs_into_new
         applies = any(any(q is m for q in mod.modules()) for m in self.ref.pending_regs)
         self.log(f"{name}(x)  # {'applies' if applies else 'no application'}")
         mean = self.model.body[1].running_mean.clone()
@@ -1372,8 +1363,6 @@ class FlagMachine(RuleBasedStateMachine):
         # leave_parametrized=True computes the weight first: a forward of the parametrization's
         # modules, which applies a change registered into them (load_state_dict(assign=True)
         # registers into the ParametrizationList), before the tree changes
-        if leave and self.regs_into_new(plist):
-            return  # see regs_into_new
         applies = leave and any(any(q is m for q in plist.modules()) for m in self.ref.pending_regs)
         self.log(f"parametrize.remove_parametrizations(model.body[{i}], 'weight', "
                  f"leave_parametrized={leave})" + ("  # applies" if applies else ""))
@@ -1396,19 +1385,3 @@ FlagMachine.TestCase.settings = settings(
     # TS_FUZZ_SHRINK=0: report the first failure as found (its program is in the message)
     phases=[p for p in Phase if os.environ.get("TS_FUZZ_SHRINK", "1") != "0" or p != Phase.shrink])
 TestFlagMachine = FlagMachine.TestCase
-
-
-# ------------------------------------------------------------------------------ reproductions
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a registration into a module that joined the tree after the last application is not "
-    "applied by a forward of that module; docs/freezing.md 'A model is often run through a "
-    "part of it': after a registration below the root, a forward of the module it was "
-    "registered into applies the change first"))
-def test_registration_into_a_module_added_since_the_last_application():
-    m = nn.Sequential(nn.Linear(3, 3))
-    ts.freeze_except(m, "0")                         # bare: what is added later is frozen
-    m.append(nn.Sequential(nn.Linear(3, 3)))         # a registration into the root
-    m[1].append(nn.Linear(3, 3))                     # a registration into m[1], below the root
-    m[1](torch.randn(2, 3))                          # a forward of the module registered into
-    assert not any(p.requires_grad for p in m[1].parameters())  # all still True today
-

@@ -147,3 +147,52 @@ def test_a_module_at_the_address_of_one_that_left_is_not_taken_for_it():
         assert not m[1].weight.requires_grad
         return
     pytest.skip("no address reuse happened in 200 tries")
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_registration_into_a_module_added_since_the_last_application(depth):
+    """A block joins the tree (waiting), then layers are registered into it and below it: the
+    block's forward, or that of the deepest one, applies both, as the root's would."""
+    m = nn.Sequential(nn.Linear(3, 3))
+    ts.freeze_except(m, "0")  # bare: what is added later is frozen
+    m(X)
+    chain = [nn.Sequential(nn.Linear(3, 3))]
+    m.append(chain[0])  # a registration into the root
+    for _ in range(depth - 1):
+        chain.append(nn.Sequential(nn.Linear(3, 3)))
+        chain[-2].append(chain[-1])  # into a module that joined since the last application
+    chain[-1].append(nn.Linear(3, 3))
+    assert all(p.requires_grad for p in chain[0].parameters())  # waits for a forward
+    chain[-1](X)
+    assert not any(p.requires_grad for p in chain[0].parameters()) and consistent(m)
+    assert m[0].weight.requires_grad
+
+
+def test_a_registration_into_a_module_that_joined_and_left_applies_nothing_to_it():
+    m = nn.Sequential(nn.Linear(3, 3))
+    ts.freeze_except(m, "0")
+    m(X)
+    block = nn.Sequential(nn.Linear(3, 3))
+    m.append(block)
+    del m[1]  # left again before any application
+    block.append(nn.Linear(3, 3))
+    block(X)
+    assert all(p.requires_grad for p in block.parameters())  # never in the tree when applied
+    m(X)
+    assert all(p.requires_grad for p in block.parameters()) and consistent(m)
+
+
+def test_a_registration_below_a_block_added_after_the_parents_were_read():
+    """The tree's parents are read at the first registration below the root; a block that
+    joins after that is found above the layers registered into it."""
+    m = EncDec()
+    ts.freeze_except(m, "decoder")
+    m(X)
+    m.encoder[1].append(nn.Linear(3, 3))  # the parents are read here
+    block = nn.Sequential(nn.Linear(3, 3))
+    m.encoder.append(block)  # joins after
+    inner = nn.Sequential()
+    block.append(inner)
+    inner.append(nn.Linear(3, 3))  # two levels below the block
+    inner(X)
+    assert not any(p.requires_grad for p in m.encoder.parameters()) and consistent(m)

@@ -475,7 +475,7 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
                               or module._modules.get(name) is value):
         return  # the same object registered again (tie_weights): nothing changed
     key = id(module)
-    if not any(key in st.module_ids for st in list(states.values())):
+    if not any(key in st.module_ids or key in st.added for st in list(states.values())):
         return  # not into an attached tree: nothing to do, no lock taken
     with LOCK:  # not while another thread's application walks the tree: it would be lost
         if entries and value is not None:
@@ -483,7 +483,7 @@ def _on_registered(module: nn.Module, name: str, value) -> None:
         for st in list(states.values()):
             if st.holds_module(module):
                 grew(st)
-                st.registered_into(module)
+                st.registered_into(module, value)
 
 
 _module_mod.register_module_parameter_registration_hook(_on_registered)

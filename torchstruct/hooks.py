@@ -76,6 +76,9 @@ class State:
     # such registration (id of a module -> weak reference to its parent)
     below: dict = field(default_factory=dict)
     parents: dict | None = None
+    # id -> weak reference of the modules registered into the tree since the last application
+    # (with the modules below them): a registration into one of them is one into the tree
+    added: dict = field(default_factory=dict)
 
     def reshaped(self) -> bool:
         """Whether a container of the tree was changed by one of its own methods (``insert``,
@@ -101,10 +104,20 @@ class State:
         (_state.grew if grown else _state.mark_changed)(self)
         return True
 
-    def registered_into(self, module: nn.Module) -> None:
-        """A parameter or module was registered into ``module``, a module of this tree: until
-        the next application, a forward of ``module`` or of a module between it and the root
-        applies first (the root's own hook covers the root's forwards)."""
+    def registered_into(self, module: nn.Module, value) -> None:
+        """``value`` (a parameter or module) was registered into ``module``, a module of this
+        tree: until the next application, a module ``value`` brings counts as the tree's, and
+        a forward of ``module`` or of a module between it and the root applies first (the
+        root's own hook covers the root's forwards)."""
+        if isinstance(value, nn.Module):
+            for parent in value.modules():
+                self.added[id(parent)] = weakref.ref(parent)
+                if self.parents is not None:
+                    for child in parent._modules.values():
+                        if child is not None:
+                            self.parents[id(child)] = weakref.ref(parent)
+            if self.parents is not None:
+                self.parents[id(value)] = weakref.ref(module)
         root = self.root()
         if root is None or module is root or self.hook is None:
             return
@@ -199,6 +212,7 @@ class State:
             }
             modules = idx.module_objects
             self.module_ids = {id(m): weakref.ref(m) for m in modules}
+            self.added = {}
             self.containers = tuple((weakref.ref(m), id(m._modules), len(m._modules))
                                     for m in modules if isinstance(m, _CONTAINERS))
             self._sync_norm_hooks(modules)
@@ -243,9 +257,10 @@ class State:
         _apply_now_if_safe(sharing)
 
     def holds_module(self, module: nn.Module) -> bool:
-        """Whether ``module`` was in the tree at the last application (this very object)."""
-        ref = self.module_ids.get(id(module))
-        return ref is not None and ref() is module
+        """Whether ``module`` (this very object) was in the tree at the last application, or
+        was registered into it since."""
+        return any((ref := ids.get(id(module))) is not None and ref() is module
+                   for ids in (self.module_ids, self.added))
 
     def live_members(self) -> set[int]:
         """Ids of the parameters of the last application that torchstruct still follows (a
