@@ -1219,14 +1219,11 @@ class FlagMachine(RuleBasedStateMachine):
             return m(x).square().mean()
 
         if not asked:
-            # Nothing trains and wrt=None: the docs list "a loss that does not require grad
-            # (... from frozen parameters only)" among the errors, and also say frozen parameters
-            # are absent from the tree; whether an empty trainable set gives that error or an
-            # empty tree is not pinned (it returns {} today). Either way no flag moves.
-            try:
-                assert ts.structural_grad(self.model, loss_fn, wrt=wrt) == {}
-            except ValueError:
-                pass
+            # Nothing trains and wrt=None: an error, as a wrt selecting nothing is (an empty
+            # tree would hide the mistake, docs/structural.md); the loss never runs
+            with pytest.raises(ValueError, match="no parameter of the model"):
+                ts.structural_grad(self.model, loss_fn, wrt=wrt)
+            assert not seen, "the loss ran"
             self.check_flags("after structural_grad with nothing trainable")
             return
         tree = ts.structural_grad(self.model, loss_fn, wrt=wrt)

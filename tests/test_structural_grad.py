@@ -340,6 +340,38 @@ def flags(m):
     return [p.requires_grad for p in m.parameters()]
 
 
+@pytest.mark.parametrize("how", ["by hand", "ts.freeze", "no parameters"])
+def test_error_nothing_trainable_without_wrt(how):
+    """wrt=None asks for the trainable parameters; with none, an empty tree would hide the
+    mistake (as a wrt selecting nothing does): a ValueError before the loss runs, for a
+    callable, a tensor loss (even one that requires grad through its input) and
+    value_and_grad; nothing changes, and wrt= still reaches the frozen parameters."""
+    m, (x, _) = mlp(), data()
+    if how == "by hand":
+        m.requires_grad_(False)
+    elif how == "ts.freeze":
+        ts.freeze(m)
+    else:
+        m = nn.Sequential(nn.Tanh())
+    xg = x.clone().requires_grad_(True)
+    ran = []
+
+    def loss_fn(mm):
+        ran.append(1)
+        return mm(xg).sum()
+
+    before = flags(m)
+    for call in (lambda: ts.structural_grad(m, loss_fn),
+                 lambda: ts.structural_grad(m, m(xg).sum()),
+                 lambda: ts.value_and_grad(loss_fn, m)):
+        with pytest.raises(ValueError, match="no parameter of the model .* is trainable"):
+            call()
+    assert not ran and flags(m) == before and all(p.grad is None for p in m.parameters())
+    if how != "no parameters":
+        g = flat(ts.structural_grad(m, loss_fn, wrt="0"))
+        assert list(g) == ["0.weight", "0.bias"] and flags(m) == before
+
+
 def test_error_non_scalar_loss():
     m, (x, _) = mlp(), data()
     with pytest.raises(ValueError, match=r"scalar.*\(7, 2\)"):

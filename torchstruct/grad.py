@@ -80,6 +80,13 @@ def _asked(model: nn.Module, wrt) -> Pairs:
         )
     trainable = list(trainable_parameters(model))  # a read: attaches nothing
     if wrt is None:
+        if not trainable:
+            raise ValueError(
+                f"structural_grad: no parameter of the model ({type(model).__name__}) is "
+                "trainable now, and wrt=None asks for the trainable ones; an empty tree would "
+                "hide the mistake. Name the parameters to differentiate with wrt= (frozen ones "
+                "too), or make some trainable"
+            )
         return trainable
     asked = select(model, wrt)
     if not asked:
@@ -304,7 +311,8 @@ def structural_grad(
             path); a ``wrt`` parameter whose dtype cannot require grad (an integer one; its
             path named, before anything runs); a ``wrt`` selector matching nothing (closest
             paths named) or selecting no parameter (a module without parameters, a callable
-            False everywhere); the loss reaches
+            False everywhere); ``wrt=None`` on a model with no trainable parameter; the loss
+            reaches
             none of the asked parameters (paths named); an asked parameter is used inside a
             reentrant checkpoint none of whose inputs requires grad; under DDP, a tensor loss
             outside ``ddp.no_sync()``, or ``create_graph=True``.
