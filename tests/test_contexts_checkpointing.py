@@ -1,6 +1,9 @@
 """Flag contexts and activation checkpointing (reentrant or not): a checkpoint's recomputation
 in backward runs with the flags of its forward, also when the context was left in between (a
-decorated training step whose loss is backpropagated after it returns)."""
+decorated training step whose loss is backpropagated after it returns), and a change of the
+tree registered between the forward and the backward waits for the next forward outside the
+backward."""
+import contextlib
 import copy
 import gc
 import os
@@ -120,6 +123,66 @@ def test_a_forward_that_applies_a_waiting_change_recomputes_with_the_flags_it_ap
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=0)
     assert got["2.weight"] is None
     assert flags(ckpt) == flags(plain)
+
+
+class Grows(nn.Module):
+    """Declares ``a`` and ``b`` trainable until a module named ``head`` joins, then ``a`` and
+    ``extra``: a registration into ``extra`` freezes ``b`` at the next application. Square
+    layers and a batch of 3: a recomputation with ``b`` frozen saves tensors of the same
+    shapes, so only the values would tell."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.extra = nn.ModuleDict()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+    def trainable(self):
+        return ["a", "extra"] if "head" in self.extra else ["a", "b"]
+
+
+@pytest.mark.parametrize("context", [False, True])
+@pytest.mark.parametrize("reentrant", [None, True, False])
+def test_a_change_registered_between_forward_and_backward_waits_for_the_next_forward(
+        reentrant, context):
+    m = Grows()
+    ts.attach(m)
+    x = torch.randn(3, 3, requires_grad=True)
+    with ts.unfreeze(m, "a") if context else contextlib.nullcontext():
+        y = m(x) if reentrant is None else checkpoint(m, x, use_reentrant=reentrant)
+        m.extra["head"] = nn.Linear(3, 3)  # b frozen at the next application
+        y.square().sum().backward()  # the recomputation is no application
+        assert m.b.weight.requires_grad and m.b.weight.grad is not None
+    got = grads(m)
+    plain = Grows()
+    plain(x.detach()).square().sum().backward()
+    for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
+        assert torch.equal(got[name], plain.get_parameter(name).grad), name
+    m(x)  # the next forward applies (or the context's exit did)
+    assert not m.b.weight.requires_grad and m.extra.head.weight.requires_grad
+
+
+def test_a_forward_inside_a_backward_hook_does_not_apply_a_waiting_change():
+    m = Grows()
+    ts.attach(m)
+    x = torch.randn(3, 3, requires_grad=True)
+    seen = []
+
+    def hook(grad):
+        m(torch.randn(3, 3))  # a model run from a gradient hook, inside the backward
+        seen.append(m.b.weight.requires_grad)
+        return grad
+
+    y = m(x)
+    y.register_hook(hook)
+    m.extra["head"] = nn.Linear(3, 3)
+    y.sum().backward()
+    assert seen == [True] and m.b.weight.grad is not None
+    m(x)
+    assert not m.b.weight.requires_grad
 
 
 def test_inside_the_block_nothing_changes():

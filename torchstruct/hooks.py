@@ -451,12 +451,13 @@ def _apply_now_if_safe(sharing: list) -> None:
     """A model was collected: the attached models that shared parameters with it apply at once
     (its declarations no longer hold their shared parameters), so that flags and reads agree
     right away. Only where that is safe: no thread holds the lock (a collection may start
-    inside a locked region of this thread, half-way through a change) and no ``torch.func``
-    transform (which refuses flag writes) runs; otherwise their next forward applies, as it
+    inside a locked region of this thread, half-way through a change), no ``torch.func``
+    transform (which refuses flag writes) runs, and no backward (a recomputation must record
+    what its forward did); otherwise their next forward applies, as it
     would anyway. Runs in a weakref callback: never raises (a failing declaration, or a change
     a guard refuses, such as a parameter DDP does not synchronize starting to train, changes
     no flag here and is raised at the next forward)."""
-    if (not sharing or _transforming() or _in_functional_call()
+    if (not sharing or _transforming() or _in_backward() or _in_functional_call()
             or not _state.LOCK.enter_if_free()):
         return
     try:
@@ -484,6 +485,17 @@ _is_compiling = getattr(torch.compiler, "is_dynamo_compiling", torch.compiler.is
 # True inside a torch.func transform (vmap, grad, ...), which refuses requires_grad_(): a change
 # of the tree seen at a forward there waits for the next forward outside
 _transforming = torch._C._are_functorch_transforms_active
+_GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_backward() -> bool:
+    """Whether autograd runs a backward in this thread now: a forward there is an activation
+    checkpoint's recomputation (or a hook's), which must record what the forward recorded. A
+    change of the tree registered since the forward waits for the next forward outside (an
+    application there would change flags half-way through the backward)."""
+    return _GRAPH_TASK is not None and _GRAPH_TASK() != -1
+
+
 # While torch.export traces (_is_exporting, strict or not), which allows no eager code in its
 # graph, a change of the tree seen there waits for the next forward outside (the traced program
 # does not read flags); non-strict export runs on fake parameters, which an application never
@@ -523,7 +535,7 @@ def _pre_forward(module: nn.Module, _args) -> None:
         return
     changed = st.dirty or st.kind is not type(module) or (st.containers and st.reshaped())
     if (changed and st.root() is module and not _transforming() and not _is_exporting()
-            and not _in_functional_call()):
+            and not _in_backward() and not _in_functional_call()):
         st.apply()
 
 
@@ -536,7 +548,7 @@ def _apply_eagerly(module: nn.Module) -> None:
         st = _state.state_of(module)
         if st is None or st.hook is None:
             module.__dict__.pop(_state.CHANGED, None)
-        elif st.dirty and not _in_functional_call():
+        elif st.dirty and not _in_backward() and not _in_functional_call():
             st.apply()
 
 
@@ -551,7 +563,7 @@ def _pre_forward_below(module: nn.Module, _args) -> None:
 
 @torch.compiler.disable
 def _apply_below(module: nn.Module) -> None:
-    if _transforming() or _in_functional_call():
+    if _transforming() or _in_backward() or _in_functional_call():
         return
     with _state.LOCK:
         for st in _state.live_states():
