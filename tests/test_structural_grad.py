@@ -1,4 +1,5 @@
 """ts.structural_grad, ts.value_and_grad, ts.grad_tree against torch.autograd references."""
+import contextlib
 import copy
 
 import pytest
@@ -162,6 +163,45 @@ def test_a_batchnorm_torchstruct_holds_stays_held_when_asked_for(wrt):
         torch.testing.assert_close(leaf, want[path], rtol=0, atol=0)
     assert m.training and m[1].training
     assert not m[1].weight.requires_grad and m[0].weight.requires_grad
+
+
+def _apply_in_loss(how, mm):
+    """An application of the model inside a structural_grad loss."""
+    if how == "a context entered":
+        return ts.freeze(mm, "2.bias")
+    mm.append(nn.Identity())  # a registration: the forward applies it
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("how", ["a context entered", "a registration"])
+@pytest.mark.parametrize("bn", ["held, asked for", "trainable, not asked for"])
+def test_an_application_inside_the_loss_leaves_the_batchnorm_as_loss_model_sees_it(how, bn):
+    """Inside the loss the call's flags hold (the asked ones on, the others off); an
+    application there (a context entered in the loss, a registration) must not take them for
+    the model's: a held BatchNorm stays held, a trainable one keeps updating, in the loss and
+    after the call."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    if bn.startswith("held"):
+        ts.freeze(m, "1")
+    else:
+        ts.attach(m)
+    x = torch.randn(6, 3)
+    ref = copy.deepcopy(m)  # a copy is plain PyTorch: a held layer is an eval-mode one there
+    ref[1].train(not bn.startswith("held"))
+    wrt = ["0", "1"] if bn.startswith("held") else "0"
+
+    def loss(mm):
+        with _apply_in_loss(how, mm):
+            return mm(x).square().mean()
+
+    value, _ = ts.value_and_grad(loss, m, wrt=wrt)
+    torch.testing.assert_close(value, ref(x).square().mean().detach(), rtol=0, atol=0)
+    torch.testing.assert_close(m[1].running_mean, ref[1].running_mean, rtol=0, atol=0)
+    m(x), ref(x)  # and after the call
+    torch.testing.assert_close(m[1].running_mean, ref[1].running_mean, rtol=0, atol=0)
+    moved = not torch.equal(m[1].running_mean, torch.zeros(4))
+    assert moved is bn.startswith("trainable")
 
 
 def test_a_batchnorm_unfrozen_by_hand_is_not_held_when_asked_for():

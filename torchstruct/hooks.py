@@ -309,7 +309,14 @@ class State:
     def _sync_norm_hooks(self, modules: list[nn.Module]) -> None:
         want = {}
         if self.hook is not None:  # detached: no hooks at all
-            want = {id(m): m for m in modules if self._norm_stats_frozen(m)}
+            for m in modules:
+                if _state.held_flags and _asked_in_a_loss(m):
+                    # a structural_grad(wrt=) loss runs with its flags on: held as before it
+                    held = _state.frozen_norms.get(id(m))
+                    if held is not None and held[0]() is m:
+                        want[id(m)] = m
+                elif self._norm_stats_frozen(m):
+                    want[id(m)] = m
         if want:  # the options are read only when some layer would be held
             off = _opted_out(self.root())
             want = {key: m for key, m in want.items() if key not in off}
@@ -373,6 +380,13 @@ def _opted_out(root: nn.Module | None) -> set[int]:
         children = [c for c in mod._modules.values() if c is not None]
         stack.extend((c, option) for c in reversed(children))
     return off
+
+
+def _asked_in_a_loss(module: nn.Module) -> bool:
+    """Whether a running ``structural_grad(wrt=)`` block holds a flag of normalization layer
+    ``module`` (an application inside its loss sees the block's flags, not the model's)."""
+    return isinstance(module, _NormBase) and any(
+        _state.held_flag(p) is not None for p in _layer_params(module))
 
 
 def _frozen_by_us(p) -> bool:
