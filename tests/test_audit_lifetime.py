@@ -754,3 +754,41 @@ def test_permanent_contexts_on_submodules_replaced_each_step_leave_nothing():
         m(x())
         assert all(flags(m)) and all(reads(m))
     assert counts() == before
+
+
+@pytest.mark.parametrize("reentrant", [None, True, False])
+def test_a_collection_inside_a_backward_applies_the_survivor_as_the_backward_ends(reentrant):
+    """A model sharing a layer with an attached one is collected half-way through a backward
+    (here from a gradient hook): the survivor's flags do not change during the backward (a
+    checkpoint's recomputation later in it must record what the forward did) and agree with
+    the reads once it has ended."""
+    shared = nn.Linear(2, 2)
+    a = nn.Sequential(nn.Linear(2, 2), nn.Tanh(), shared)
+    b = nn.Sequential(shared)
+    ts.attach(a)
+    ts.mark_trainable(b)  # trains nothing: the shared layer is frozen in a too, while b lives
+    assert flags(a) == [True, True, False, False]
+    box, seen = [b], []
+    del b
+    x = torch.randn(3, 2, requires_grad=True)
+    y = a(x) if reentrant is None else torch.utils.checkpoint.checkpoint(
+        a, x, use_reentrant=reentrant)
+
+    def hook(grad):
+        box.clear()
+        gc.collect()
+        seen.append(flags(a))
+        return grad
+
+    y.register_hook(hook)
+    ref = copy.deepcopy(a)
+    ts.detach_hooks(ref)
+    ref[2].requires_grad_(False)
+    y.sum().backward()
+    ref(x.detach()).sum().backward()
+    assert seen == [[True, True, False, False]]  # unchanged inside the backward
+    assert flags(a) == reads(a) == [True] * 4  # applied as it ended
+    for p, q in zip(a.parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None)
+        if q.grad is not None:
+            assert torch.equal(p.grad, q.grad)

@@ -357,13 +357,23 @@ def held_flag(p) -> bool | None:
 
 
 def flag_outside_blocks(p) -> bool:
-    """``p``'s flag as it was before the oldest running ``structural_grad(wrt=)`` block that
-    holds it wrote it; its flag now when none holds it."""
+    """``p``'s flag as the model decides it without the running ``structural_grad(wrt=)``
+    blocks that hold it (as it was when the oldest was entered, or as an application inside
+    them decided it since); its flag now when none holds it."""
     for block in held_flags:
         hit = block.flags.get(id(p))
         if hit is not None and hit[0] is p:
-            return block.before.get(id(p), p.requires_grad)
+            return block.outside.get(id(p), p.requires_grad)
     return p.requires_grad
+
+
+def decided_outside(p, flag: bool) -> None:
+    """An application inside running ``structural_grad(wrt=)`` blocks that hold ``p``'s flag
+    decided ``flag`` for it without them."""
+    for block in held_flags:
+        hit = block.flags.get(id(p))
+        if hit is not None and hit[0] is p:
+            block.outside[id(p)] = flag
 
 
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began, the version of its

@@ -193,6 +193,20 @@ def _changing_entries():
             _checkpoints.keep_flags(bool(_state.entries))
 
 
+def _refuse_in_backward(entry: Entry) -> None:
+    """Entering a context inside a backward (a checkpoint's recomputation entering a decorated
+    function's context again) while a change of the tree waits on a model the context would
+    apply: refused before anything changes (its restoring pass would apply the change too)."""
+    scope = entry.scope()
+    if scope is None or not hooks.in_backward():
+        return
+    governing = hooks.state_for(scope)
+    ids = {id(p) for p in scope.parameters()} | governing.live_members()
+    for st in _state.live_states():
+        if st is governing or not ids.isdisjoint(st.live_members()):
+            st.refuse_in_backward()
+
+
 def _apply_around(entry: Entry, refuse: bool = True) -> list:
     """Apply every state whose model shares a parameter with the entry's scope; the changes."""
     scope = entry.scope()
@@ -227,6 +241,7 @@ def push(entry: Entry) -> None:
     """Activate a context and apply the flags it changes at once (or refuse: nothing changes)."""
     with _changing_entries(), hooks.attached_or_as_before(entry.scope()):
         scope = entry.scope()
+        _refuse_in_backward(entry)
         entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
         entry.serial = _state.next_serial()
         _state.entries.append(entry)

@@ -132,7 +132,9 @@ class _only:
         self.watch = watch
         self.thread = threading.get_ident()
         self.flags: dict = {}  # id -> (parameter, the flag held), while the block runs
-        self.before: dict = {}  # id -> the flag it had when the block was entered
+        # id -> the flag the model decides without the block: as it was when the block was
+        # entered, as an application inside it decides since (_state.decided_outside)
+        self.outside: dict = {}
         self.overridden: str | None = None  # an asked path a newer thread's block held off
         self.undone: list[str] = []  # paths turned back on after the model grew (warned)
 
@@ -146,7 +148,7 @@ class _only:
             for block in _state.held_flags:  # another thread's running block whose asked
                 if block.thread != self.thread:  # parameter this one holds off (newest wins)
                     block.overridden = block.overridden or _held_off(self, block.paths)
-            self.before = {i: p.requires_grad for i, (p, _) in self.flags.items()}
+            self.outside = {i: p.requires_grad for i, (p, _) in self.flags.items()}
             _state.held_flags.append(self)
             try:
                 for p, flag in self.flags.values():
@@ -217,7 +219,7 @@ class _only:
         if grew and turned_on:
             first = {id(p): ps[0] for p, ps in zip(before.params, before.paths)}
             self.undone = [first[i] for i in turned_on]
-        self.flags, self.before = {}, {}
+        self.flags, self.outside = {}, {}
         flags_changed(self.model.modules())
         if error is not None:
             raise error

@@ -22,6 +22,7 @@ also what ``torch.jit.script`` needs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -141,7 +142,8 @@ class State:
             handle.remove()
         self.below, self.parents = {}, None
 
-    def apply(self, refuse: bool = True) -> list[tuple[str, nn.Parameter, bool]]:
+    def apply(self, refuse: bool = True,
+              backward_done: bool = False) -> list[tuple[str, nn.Parameter, bool]]:
         """Compute every flag of the root's parameters and write it (after ``flag_guards``).
 
         Parameters that left the tree since the last application go back to their starting
@@ -155,11 +157,16 @@ class State:
                 ``refuse=False`` (a context exits and must restore) the flags are written
                 first, such a declaration admitting the names it still has (none when it
                 cannot be read).
+            RuntimeError: inside a backward, a change of the tree waits (see
+                :meth:`refuse_in_backward`; not with ``refuse=False``, nor with
+                ``backward_done``: called as a backward ends, from its callback).
         """
         root = self.root()
         if root is None:
             return []
         with _state.LOCK:
+            if refuse and not backward_done:  # (at the end of a backward, in its callback)
+                self.refuse_in_backward()
             error = None
             try:
                 idx, starts, flags = effective(root, self.last)
@@ -169,9 +176,11 @@ class State:
                     raise
                 error = err  # restoring (a context exits): write what can be, then raise
                 idx, starts, flags = effective(root, self.last, lenient=True)
+            outside = {}  # what the model decides for the flags a running call holds
             if _state.held_flags:  # a structural_grad(wrt=) loss runs: its flags hold
                 for p in idx.params:
                     if (held := _state.held_flag(p)) is not None:
+                        outside[id(p)] = (p, flags[id(p)])
                         flags[id(p)] = held
             if not all(isinstance(p, nn.Parameter) and not isinstance(p, _Fake)
                        for p in idx.params):
@@ -210,6 +219,8 @@ class State:
                 path: (starts[id(p)][0], flags[id(p)], starts[id(p)][1], members[id(p)])
                 for p, paths in zip(idx.params, idx.paths) for path in paths
             }
+            for p, flag in outside.values():
+                _state.decided_outside(p, flag)
             modules = idx.module_objects
             self.module_ids = {id(m): weakref.ref(m) for m in modules}
             self.added = {}
@@ -223,6 +234,17 @@ class State:
             if error is not None:
                 raise error
             return changes
+
+    def refuse_in_backward(self) -> None:
+        """Raise (``RuntimeError``, nothing changed) inside a backward when a change of the tree
+        made since the last application waits (never while none was made yet: a first
+        application has nothing to wait for): applying it would change flags half-way through
+        the backward."""
+        root = self.root()
+        if (root is not None and in_backward() and self.module_ids
+                and (self.dirty or self.kind is not type(root)
+                     or (self.containers and self.reshaped()))):
+            raise RuntimeError(_IN_BACKWARD)
 
     def _release_leavers(self, now: dict) -> None:
         """The parameters of the last application not in ``now`` left the tree: they get their
@@ -294,7 +316,7 @@ class State:
         if not (isinstance(mod, _NormBase) and mod.track_running_stats):
             return False
         params = _layer_params(mod)
-        if not params or any(p.requires_grad for p in params):
+        if not params or any(_state.flag_outside_blocks(p) for p in params):
             return False
         if not any(_frozen_by_us(p) for p in params):  # frozen by PEFT or by hand: plain
             return False
@@ -309,14 +331,7 @@ class State:
     def _sync_norm_hooks(self, modules: list[nn.Module]) -> None:
         want = {}
         if self.hook is not None:  # detached: no hooks at all
-            for m in modules:
-                if _state.held_flags and _asked_in_a_loss(m):
-                    # a structural_grad(wrt=) loss runs with its flags on: held as before it
-                    held = _state.frozen_norms.get(id(m))
-                    if held is not None and held[0]() is m:
-                        want[id(m)] = m
-                elif self._norm_stats_frozen(m):
-                    want[id(m)] = m
+            want = {id(m): m for m in modules if self._norm_stats_frozen(m)}
         if want:  # the options are read only when some layer would be held
             off = _opted_out(self.root())
             want = {key: m for key, m in want.items() if key not in off}
@@ -382,17 +397,16 @@ def _opted_out(root: nn.Module | None) -> set[int]:
     return off
 
 
-def _asked_in_a_loss(module: nn.Module) -> bool:
-    """Whether a running ``structural_grad(wrt=)`` block holds a flag of normalization layer
-    ``module`` (an application inside its loss sees the block's flags, not the model's)."""
-    return isinstance(module, _NormBase) and any(
-        _state.held_flag(p) is not None for p in _layer_params(module))
-
-
 def _frozen_by_us(p) -> bool:
-    """Whether torchstruct holds ``p`` frozen (its starting flag is on)."""
+    """Whether torchstruct holds ``p`` frozen (its starting flag is on); while a running
+    ``structural_grad(wrt=)`` block holds its flag, as the model decides it without the
+    block."""
     rec = _state.record(p)
-    return rec is not None and rec[0] and not rec[1] and not p.requires_grad
+    if rec is None or not rec[0]:
+        return False
+    if _state.held_flags and _state.held_flag(p) is not None:
+        return not _state.flag_outside_blocks(p)
+    return not rec[1] and not p.requires_grad
 
 
 def _release(members: dict, keep: set[int], in_callback: bool = False) -> set[int]:
@@ -461,23 +475,30 @@ def release_kept(entry, in_callback: bool = False) -> None:
     _release_unheld(kept, held, in_callback, skip=entry)
 
 
-def _apply_now_if_safe(sharing: list) -> None:
+def _apply_now_if_safe(sharing: list, backward_done: bool = False) -> None:
     """A model was collected: the attached models that shared parameters with it apply at once
     (its declarations no longer hold their shared parameters), so that flags and reads agree
     right away. Only where that is safe: no thread holds the lock (a collection may start
-    inside a locked region of this thread, half-way through a change), no ``torch.func``
-    transform (which refuses flag writes) runs, and no backward (a recomputation must record
-    what its forward did); otherwise their next forward applies, as it
-    would anyway. Runs in a weakref callback: never raises (a failing declaration, or a change
-    a guard refuses, such as a parameter DDP does not synchronize starting to train, changes
-    no flag here and is raised at the next forward)."""
-    if (not sharing or _transforming() or _in_backward() or _in_functional_call()
-            or not _state.LOCK.enter_if_free()):
+    inside a locked region of this thread, half-way through a change) and no ``torch.func``
+    transform (which refuses flag writes) runs; otherwise their next forward applies, as it
+    would anyway. Inside a backward, at its end (flags changed half-way through it would
+    change what a checkpoint's recomputation records). Runs in a weakref callback: never
+    raises (a failing declaration, or a change a guard refuses, such as a parameter DDP does
+    not synchronize starting to train, changes no flag here and is raised at the next
+    forward)."""
+    if not sharing or _transforming() or _in_functional_call():
+        return
+    if not backward_done and in_backward():
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(_apply_now_if_safe, sharing, True))
+        return
+    if not _state.LOCK.enter_if_free():
         return
     try:
         for st in sharing:
             try:
-                st.apply()  # all or nothing: a refusal raises before any flag is written
+                st.apply(backward_done=backward_done)  # all or nothing: a refusal raises
+                # before any flag is written
             except Exception:  # noqa: BLE001 - never raise from garbage collection
                 _state.mark_changed(st)  # the next forward applies, and raises there
     finally:
@@ -502,7 +523,17 @@ _transforming = torch._C._are_functorch_transforms_active
 _GRAPH_TASK = getattr(torch._C, "_current_graph_task_id", None)
 
 
-def _in_backward() -> bool:
+_IN_BACKWARD = (
+    "torchstruct: this call runs inside a backward (an activation checkpoint's recomputation "
+    "entering a flag context again, or a hook autograd runs), and it would apply a change of "
+    "the model's tree made after the forward (a module or parameter registered since): flags "
+    "would change half-way through the backward, and a recomputation would no longer record "
+    "what the forward did. Nothing was changed. Register modules before the forward or after "
+    "the backward."
+)
+
+
+def in_backward() -> bool:
     """Whether autograd runs a backward in this thread now: a forward there is an activation
     checkpoint's recomputation (or a hook's), which must record what the forward recorded. A
     change of the tree registered since the forward waits for the next forward outside (an
@@ -549,7 +580,7 @@ def _pre_forward(module: nn.Module, _args) -> None:
         return
     changed = st.dirty or st.kind is not type(module) or (st.containers and st.reshaped())
     if (changed and st.root() is module and not _transforming() and not _is_exporting()
-            and not _in_backward() and not _in_functional_call()):
+            and not in_backward() and not _in_functional_call()):
         st.apply()
 
 
@@ -562,7 +593,7 @@ def _apply_eagerly(module: nn.Module) -> None:
         st = _state.state_of(module)
         if st is None or st.hook is None:
             module.__dict__.pop(_state.CHANGED, None)
-        elif st.dirty and not _in_backward() and not _in_functional_call():
+        elif st.dirty and not in_backward() and not _in_functional_call():
             st.apply()
 
 
@@ -577,7 +608,7 @@ def _pre_forward_below(module: nn.Module, _args) -> None:
 
 @torch.compiler.disable
 def _apply_below(module: nn.Module) -> None:
-    if _transforming() or _in_backward() or _in_functional_call():
+    if _transforming() or in_backward() or _in_functional_call():
         return
     with _state.LOCK:
         for st in _state.live_states():
