@@ -71,3 +71,22 @@ def same_grads(a, b):
         assert (a[k] is None) == (b[k] is None), k
         if a[k] is not None:
             assert torch.equal(a[k], b[k]), k
+
+
+class Grows(nn.Module):
+    """Declares ``a`` and ``b`` trainable until a module named ``head`` joins ``extra``, then
+    ``a`` and ``extra``: a registration into ``extra`` freezes ``b`` at the next application.
+    Square layers: with a batch of 3, a recomputation with ``b`` frozen saves tensors of the
+    same shapes, so only the values would tell."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.extra = nn.ModuleDict()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+    def trainable(self):
+        return ["a", "extra"] if "head" in self.extra else ["a", "b"]

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
 import torchstruct as ts
+from _models import Grows
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -70,23 +71,6 @@ def quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-class Grows(nn.Module):
-    """Declares ``a`` and ``b`` trainable until a module named ``head`` joins ``extra``, then
-    ``a`` and ``extra``: a registration into ``extra`` freezes ``b`` at the next application."""
-
-    def __init__(self, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
-        self.extra = nn.ModuleDict()
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
-
-    def trainable(self):
-        return ["a", "extra"] if "head" in self.extra else ["a", "b"]
 
 
 def plain_grows(frozen=(), seed=0):
@@ -304,27 +288,11 @@ def test_hf_gradient_checkpointing_with_lora_added_after_attaching(gpt2_parts, r
 
 
 # ============================================================================= 2. no application in backward
-class Enc(nn.Module):
-    """An encoder whose declaration freezes ``b`` once a ``head`` joins ``extra`` (which its
-    forward does not use)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
-        self.extra = nn.ModuleDict()
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
-
-    def trainable(self):
-        return ["a", "extra"] if "head" in self.extra else ["a", "b"]
-
-
 class Sub(nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.enc = Enc()
+        self.enc = Grows()
         self.dec = nn.Linear(3, 3)
 
     def forward(self, x):
@@ -696,42 +664,27 @@ def test_norm_is_still_held_after_a_call_whose_loss_entered_a_context():
     torch.testing.assert_close(net[1].running_mean, before, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("wrt", ["1", "0"])
-def test_norm_frozen_by_a_context_inside_the_loss_is_held_as_in_loss_model(wrt):
+@pytest.mark.parametrize("frozen, wrt", [("1", "1"), ("1", "0"), ("2", "0")])
+def test_a_context_entered_inside_the_loss_decides_the_norm_as_in_loss_model(frozen, wrt):
+    """The norm trains; the loss enters a context freezing ``frozen``. Frozen there (``"1"``,
+    the norm asked for or held off by the call) it is held as ``loss(model)`` holds it;
+    frozen elsewhere (``"2"``) it is not held, and trains again after the call."""
     x = norm_input("bn1d")
 
     def loss(m):
-        with ts.freeze(m, "1"):
+        with ts.freeze(m, frozen):
             return loss_of(m, x)
 
     ref = norm_net()
     ts.attach(ref)
     v_ref = loss(ref).detach()
-    assert torch.equal(ref[1].running_mean, torch.full((3,), 0.5))  # held
+    held = torch.equal(ref[1].running_mean, torch.full((3,), 0.5))
+    assert held is (frozen == "1")
     net = norm_net()
     ts.attach(net)
     v, _ = ts.value_and_grad(loss, net, wrt=wrt)
     torch.testing.assert_close(net[1].running_mean, ref[1].running_mean, rtol=0, atol=0)
     torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
-
-
-def test_trainable_norm_held_off_by_the_call_updates_as_loss_model_does():
-    """The norm trains; the call asks for ``0`` only (the norm's flags are off for the call)
-    and the loss enters a context elsewhere: the norm is not held (as in ``loss(model)``)."""
-    x = norm_input("bn1d")
-
-    def loss(m):
-        with ts.freeze(m, "2"):
-            return loss_of(m, x)
-
-    ref = norm_net()
-    ts.attach(ref)
-    v_ref = loss(ref).detach()
-    net = norm_net()
-    ts.attach(net)
-    v, _ = ts.value_and_grad(loss, net, wrt="0")
-    torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
-    torch.testing.assert_close(net[1].running_mean, ref[1].running_mean, rtol=0, atol=0)
     before = net[1].running_mean.clone()
     net(x)  # trainable again after the call: updates
     assert not torch.equal(net[1].running_mean, before)

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torchstruct as ts
 from _flags import flags
-from _models import Checkpointed as Net, grads, same_grads
+from _models import Checkpointed as Net, Grows, grads, same_grads
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -123,25 +123,6 @@ def test_a_forward_that_applies_a_waiting_change_recomputes_with_the_flags_it_ap
     torch.testing.assert_close(got_x, want_x, rtol=0, atol=0)
     assert got["2.weight"] is None
     assert flags(ckpt) == flags(plain)
-
-
-class Grows(nn.Module):
-    """Declares ``a`` and ``b`` trainable until a module named ``head`` joins, then ``a`` and
-    ``extra``: a registration into ``extra`` freezes ``b`` at the next application. Square
-    layers and a batch of 3: a recomputation with ``b`` frozen saves tensors of the same
-    shapes, so only the values would tell."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
-        self.extra = nn.ModuleDict()
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x)))
-
-    def trainable(self):
-        return ["a", "extra"] if "head" in self.extra else ["a", "b"]
 
 
 @pytest.mark.parametrize("context", [False, True])
