@@ -1246,7 +1246,7 @@ class FlagMachine(RuleBasedStateMachine):
                            for (n, _), w in zip(asked, want))
         assert ok, "structural_grad differs from torch.autograd.grad"
 
-    def _block_run(self, make, bn_swapped=False):
+    def _block_run(self, make):
         """Enter a block, run a training forward and backward inside it, leave it. A waiting
         change is applied by the forward (the hooks read and write the parameters' own flags
         inside the blocks, docs/stop_gradient.md "Limits"): the brute force reads the flags
@@ -1264,10 +1264,9 @@ class FlagMachine(RuleBasedStateMachine):
         if pending:
             self.settle()
         self.check_flags("after a block (they change no flag)")
-        # a stand-in for a BatchNorm parameter: whether the layer's hold follows the stand-in's
-        # requires_grad (it "requires grad at the forward") or the parameter's own is not said
-        if not bn_swapped:
-            self.check_bn(self.bn_state(), mean, "inside a block")
+        # the hold follows the parameters' own flags, not a swap's stand-ins' (docs/freezing.md
+        # "Normalization statistics")
+        self.check_bn(self.bn_state(), mean, "inside a block")
 
     @rule(data=st.data())
     @step
@@ -1301,8 +1300,7 @@ class FlagMachine(RuleBasedStateMachine):
         self.log(f"with ts.swap(model, {{{', '.join(f'{k!r}: rg={t.requires_grad}' for k, t in tree.items())}}}): "
                  "model(x).square().mean().backward()")
         before = {id(p): (None if p.grad is None else p.grad.clone()) for p in self.model.parameters()}
-        self._block_run(lambda: ts.swap(self.model, tree),
-                        bn_swapped=any(k.startswith("body.1.") for k in tree))
+        self._block_run(lambda: ts.swap(self.model, tree))
         for n, p in named:
             g = before[id(p)]
             if n in tree or not p.requires_grad:

@@ -135,6 +135,42 @@ def test_gradients_reach_swapped_tensors_not_originals():
     assert m.weight.grad is None and m.bias.grad is not None
 
 
+@pytest.mark.parametrize("held", [True, False])
+def test_a_normalization_layer_s_hold_follows_the_parameters_own_flags(held):
+    """Fast weights swapped in with requires_grad=True do not release a BatchNorm torchstruct
+    holds (its statistics stay, it normalizes with them, and the stand-ins get the gradient of
+    that eval-mode layer); stand-ins without grad do not hold a trainable one."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    with torch.no_grad():
+        m[1].running_mean.normal_()
+    if held:
+        ts.freeze(m, "1")
+    else:
+        ts.attach(m)
+    # the layer's stand-ins require grad (held) or not (trainable); the others all do
+    fast = {k: (v.detach() * 1.5).requires_grad_(held or not k.startswith("1."))
+            for k, v in m.named_parameters()}
+    ref = copy.deepcopy(m)
+    ts.detach_hooks(ref)
+    ref.load_state_dict(fast, strict=False)
+    for k, p in ref.named_parameters():
+        p.requires_grad_(fast[k].requires_grad)
+    ref[1].train(not held)  # a held layer is an eval-mode one
+    start = m[1].running_mean.clone()
+    x = torch.randn(6, 3)
+    with ts.swap(m, ts.tree.from_flat_dict(fast.items())):
+        m(x).square().mean().backward()
+    ref(x).square().mean().backward()
+    assert torch.equal(m[1].running_mean, ref[1].running_mean) and m[1].training
+    assert torch.equal(m[1].running_mean, start) is held
+    for k, p in ref.named_parameters():
+        if p.grad is None:
+            assert fast[k].grad is None, k
+        else:
+            torch.testing.assert_close(fast[k].grad, p.grad, rtol=0, atol=0, msg=k)
+
+
 def test_ema_evaluation_pattern():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
