@@ -135,11 +135,13 @@ def test_gradients_reach_swapped_tensors_not_originals():
     assert m.weight.grad is None and m.bias.grad is not None
 
 
+@pytest.mark.parametrize("how", ["swap", "functional_call"])
 @pytest.mark.parametrize("held", [True, False])
-def test_a_normalization_layer_s_hold_follows_the_parameters_own_flags(held):
-    """Fast weights swapped in with requires_grad=True do not release a BatchNorm torchstruct
-    holds (its statistics stay, it normalizes with them, and the stand-ins get the gradient of
-    that eval-mode layer); stand-ins without grad do not hold a trainable one."""
+def test_a_normalization_layer_s_hold_follows_the_parameters_own_flags(held, how):
+    """Fast weights swapped in with requires_grad=True (ts.swap, torch.func.functional_call)
+    do not release a BatchNorm torchstruct holds (its statistics stay, it normalizes with them,
+    and the stand-ins get the gradient of that eval-mode layer); stand-ins without grad do not
+    hold a trainable one."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     with torch.no_grad():
@@ -159,8 +161,11 @@ def test_a_normalization_layer_s_hold_follows_the_parameters_own_flags(held):
     ref[1].train(not held)  # a held layer is an eval-mode one
     start = m[1].running_mean.clone()
     x = torch.randn(6, 3)
-    with ts.swap(m, ts.tree.from_flat_dict(fast.items())):
-        m(x).square().mean().backward()
+    if how == "swap":
+        with ts.swap(m, ts.tree.from_flat_dict(fast.items())):
+            m(x).square().mean().backward()
+    else:
+        torch.func.functional_call(m, fast, (x,)).square().mean().backward()
     ref(x).square().mean().backward()
     assert torch.equal(m[1].running_mean, ref[1].running_mean) and m[1].training
     assert torch.equal(m[1].running_mean, start) is held

@@ -638,14 +638,16 @@ def _held(module: nn.Module) -> bool:
     requires grad (unfrozen by hand since the last application; a flag a running
     ``structural_grad(wrt=)`` block turned on for its loss counts as it was before: the loss
     sees the layer as ``loss(model)`` does; inside a ``swap`` or ``stop_gradient`` block, the
-    parameters' own flags, not their stand-ins'), nor while the layer was
+    parameters' own flags, not their stand-ins'; tensors ``functional_call`` put in their
+    places count as the last application found the layer), nor while the layer was
     switched to a cumulative average since the hold began (``momentum=None``: what
     ``torch.optim.swa_utils.update_bn`` does to recompute the statistics on purpose)."""
     hit = _state.frozen_norms.get(id(module))
     if hit is None or hit[0]() is not module:
         return False
     with torch._C.DisableTorchFunction():  # the parameters' own flags, not a block's stand-ins'
-        if any(_state.flag_outside_blocks(p) for p in _layer_params(module)):
+        if any(_state.flag_outside_blocks(p) for p in _layer_params(module)
+               if _state.handle(p) is not None):  # (a functional_call's stand-in: as applied)
             return False  # unfrozen since the last application (a write by hand): plain
     return not (module.momentum is None and hit[1] is not None)
 
