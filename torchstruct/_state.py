@@ -343,7 +343,8 @@ def note_writes() -> None:
 # the structural_grad(wrt=) blocks whose loss runs now, oldest first: each has ``flags``, a dict
 # id(parameter) -> (parameter, the flag the block holds it at). An application writes these
 # over the effective flags while the block runs (reads are the model's true trainability);
-# the newest block holding a parameter wins.
+# the newest block holding a parameter wins. Each also has ``outside``, id(parameter) -> the flag
+# the model decides without the blocks (what a normalization layer's hold reads).
 held_flags: list = []
 
 
