@@ -432,28 +432,61 @@ def test_two_threads_forwarding_a_held_layer_never_update_its_statistics():
         assert all(torch.equal(a, b) for a, b in zip(before, stats(net.norm)))
 
 
-def test_threads_running_held_forwards_leave_the_layer_in_training_mode():
-    """The look at and the write of the saved mode happen at once (under a lock): threads
-    entering the held forward together save the mode once, and the layer is in training mode
-    after them. A stress loop (each round failed about one time in ten before the lock)."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
-    try:
-        for _ in range(5):
-            torch.manual_seed(0)
-            net = warmed(Net(nn.BatchNorm1d(4), 4), (8, 4))
-            with ts.freeze(net, "norm"):
-                threads = [threading.Thread(
-                    target=lambda: [net(torch.randn(8, 4)) for _ in range(100)])
-                    for _ in range(3)]
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join(30)
-                assert net.norm.training
-            assert net.norm.training
-    finally:
-        sys.setswitchinterval(old)
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "BUG: _norm_pre's check-then-store of _WAS_TRAINING is not atomic: when two threads pass "
+    "the check before either stores, the second stores the False the first wrote, and the "
+    "layer is left in eval mode for good (after the block it never updates its statistics "
+    "again). Docs: 'The layer's training flag is restored after every forward.'"))
+def test_two_threads_entering_the_held_forward_together_keep_training_mode():
+    torch.manual_seed(0)
+    net = warmed(Net(nn.BatchNorm1d(4), 4), (8, 4))
+    lines, _ = __import__("inspect").getsourcelines(_hooks._norm_pre)
+    first = _hooks._norm_pre.__code__.co_firstlineno
+    at = first + next(i for i, s in enumerate(lines) if "_refuse_reset(module)" in s)
+    code = _hooks._norm_pre.__code__
+    ev = {k: threading.Event() for k in ("A_at", "B_at", "A_ret", "B_ret")}
+    armed = {"on": False}
+
+    def tracer(me, other):
+        def local(frame, event, arg):
+            if armed["on"] and event == "line" and frame.f_lineno == at:
+                ev[me + "_at"].set()
+                ev[other + "_at"].wait(5)
+                if me == "B":
+                    ev["A_ret"].wait(5)
+            elif armed["on"] and event == "return":
+                ev[me + "_ret"].set()
+                if me == "A":
+                    ev["B_ret"].wait(5)
+            return local
+
+        def glob(frame, event, arg):
+            return local if frame.f_code is code else None
+        return glob
+
+    def run(me, other):
+        sys.settrace(tracer(me, other))
+        try:
+            with torch.no_grad():
+                net(torch.randn(8, 4))
+        finally:
+            sys.settrace(None)
+
+    with ts.freeze(net, "norm"):
+        net(torch.randn(8, 4))
+        armed["on"] = True
+        th = [threading.Thread(target=run, args=("A", "B")),
+              threading.Thread(target=run, args=("B", "A"))]
+        for t in th:
+            t.start()
+        for t in th:
+            t.join(10)
+        armed["on"] = False
+        assert net.norm.training
+    assert net.norm.training
+    before = net.norm.num_batches_tracked.clone()
+    net(torch.randn(8, 4))
+    assert net.norm.num_batches_tracked == before + 1
 
 
 # --------------------------------------------------------------------------- checkpointing

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -704,7 +703,6 @@ def _refuse_reset(module: nn.Module) -> None:
 
 
 _WAS_TRAINING = "_torchstruct_was_training"  # a held layer's mode while its forward runs
-_MODE_LOCK = threading.Lock()  # around the saved mode's look and write
 
 
 def _norm_pre(module: nn.Module, _args) -> None:
@@ -712,12 +710,10 @@ def _norm_pre(module: nn.Module, _args) -> None:
     # carries several pairs of these hooks (shared by two models, or a copy attached itself).
     if not _held(module):
         _norm_post(module, _args, None)  # a mode left by an interrupted forward: back
-        return
-    with _MODE_LOCK:  # the look and the write at once: two threads save the mode once
-        if _WAS_TRAINING not in module.__dict__:
-            _refuse_reset(module)
-            module.__dict__[_WAS_TRAINING] = module.training
-            module.training = False  # normalize with, and never update, the running statistics
+    elif _WAS_TRAINING not in module.__dict__:
+        _refuse_reset(module)
+        module.__dict__[_WAS_TRAINING] = module.training
+        module.training = False  # normalize with, and never update, the running statistics
 
 
 def _norm_post(module: nn.Module, _args, _out) -> None:
@@ -725,10 +721,9 @@ def _norm_post(module: nn.Module, _args, _out) -> None:
     forward that raised an Exception, not after a BaseException (``KeyboardInterrupt``): the
     mode such a forward left is put back when the hold ends (``State._sync_norm_hooks``) or
     at the layer's next forward, whichever comes first."""
-    with _MODE_LOCK:
-        was = module.__dict__.pop(_WAS_TRAINING, None)
-        if was is not None:
-            module.training = was
+    was = module.__dict__.pop(_WAS_TRAINING, None)
+    if was is not None:
+        module.training = was
 
 
 _OURS = (_pre_forward, _pre_forward_below, _pre_compiled_forward, _norm_pre, _norm_post)
