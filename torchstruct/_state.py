@@ -348,33 +348,31 @@ def note_writes() -> None:
 held_flags: list = []
 
 
+def _holding(p) -> list:
+    """The running ``structural_grad(wrt=)`` blocks that hold ``p``'s flag, oldest first."""
+    return [block for block in held_flags
+            if (hit := block.flags.get(id(p))) is not None and hit[0] is p]
+
+
 def held_flag(p) -> bool | None:
     """The flag the newest running ``structural_grad(wrt=)`` block holds ``p`` at, or None."""
-    for block in reversed(held_flags):
-        hit = block.flags.get(id(p))
-        if hit is not None and hit[0] is p:
-            return hit[1]
-    return None
+    blocks = _holding(p)
+    return blocks[-1].flags[id(p)][1] if blocks else None
 
 
 def flag_outside_blocks(p) -> bool:
     """``p``'s flag as the model decides it without the running ``structural_grad(wrt=)``
     blocks that hold it (as it was when the oldest was entered, or as an application inside
     them decided it since); its flag now when none holds it."""
-    for block in held_flags:
-        hit = block.flags.get(id(p))
-        if hit is not None and hit[0] is p:
-            return block.outside.get(id(p), p.requires_grad)
-    return p.requires_grad
+    blocks = _holding(p) if held_flags else ()  # (read at every forward of a held layer)
+    return blocks[0].outside.get(id(p), p.requires_grad) if blocks else p.requires_grad
 
 
 def decided_outside(p, flag: bool) -> None:
     """An application inside running ``structural_grad(wrt=)`` blocks that hold ``p``'s flag
     decided ``flag`` for it without them."""
-    for block in held_flags:
-        hit = block.flags.get(id(p))
-        if hit is not None and hit[0] is p:
-            block.outside[id(p)] = flag
+    for block in _holding(p):
+        block.outside[id(p)] = flag
 
 
 # id(norm layer) -> (weakref to the layer, its momentum when the hold began, the version of its

@@ -235,15 +235,19 @@ class State:
                 raise error
             return changes
 
+    def changed(self, root: nn.Module) -> bool:
+        """Whether the tree of ``root`` (this state's) changed since the last application: a
+        registration, FSDP2's class change, a container changed by its own methods."""
+        return self.dirty or self.kind is not type(root) or bool(
+            self.containers and self.reshaped())
+
     def refuse_in_backward(self) -> None:
         """Raise (``RuntimeError``, nothing changed) inside a backward when a change of the tree
         made since the last application waits (never while none was made yet: a first
         application has nothing to wait for): applying it would change flags half-way through
         the backward."""
         root = self.root()
-        if (root is not None and in_backward() and self.module_ids
-                and (self.dirty or self.kind is not type(root)
-                     or (self.containers and self.reshaped()))):
+        if root is not None and in_backward() and self.module_ids and self.changed(root):
             raise RuntimeError(_IN_BACKWARD)
 
     def _release_leavers(self, now: dict) -> None:
@@ -578,8 +582,7 @@ def _pre_forward(module: nn.Module, _args) -> None:
     st = _state.states.get(id(module))
     if st is None:
         return
-    changed = st.dirty or st.kind is not type(module) or (st.containers and st.reshaped())
-    if (changed and st.root() is module and not _transforming() and not _is_exporting()
+    if (st.changed(module) and st.root() is module and not _transforming() and not _is_exporting()
             and not in_backward() and not _in_functional_call()):
         st.apply()
 
