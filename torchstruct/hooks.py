@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -311,7 +312,7 @@ class State:
                 h.remove()
             _state.frozen_norms.pop(key, None)
             if (mod := ref()) is not None:
-                _norm_post(mod, (), None)  # the hold ended: a mode left by a forward, back
+                _release_mode(mod)  # the hold ended: a mode left by a forward, back
         self.norm_hooks.clear()
 
     def _norm_stats_frozen(self, mod: nn.Module) -> bool:
@@ -356,7 +357,7 @@ class State:
             elif key not in want:
                 _state.frozen_norms.pop(key, None)  # not held now: the hooks pass
             if mod is not None and key not in want:
-                _norm_post(mod, (), None)  # the hold ended: a mode left by a forward, back
+                _release_mode(mod)  # the hold ended: a mode left by a forward, back
         for key, mod in want.items():
             if key not in self.norm_hooks:
                 self.norm_hooks[key] = (weakref.ref(mod), [
@@ -705,28 +706,111 @@ def _refuse_reset(module: nn.Module) -> None:
     _state.frozen_norms[key] = (ref, momentum, _stats_version(module))
 
 
-_WAS_TRAINING = "_torchstruct_was_training"  # a held layer's mode while its forward runs
+_WAS_TRAINING = "_torchstruct_was_training"  # a held layer's saved mode while forwards run
+# The mode a held forward runs in: falsy, as eval() leaves it, yet not the ``False`` that
+# ``eval()`` writes (nor the ``True`` of ``train()``), so a mode the user sets while the forward
+# runs is told apart from ours by identity, and kept.
+_HELD_OFF = 0
+_MODE_LOCK = threading.Lock()  # around a layer's saved mode: read, counted and written at once
+
+
+@dataclass(eq=False)
+class _SavedMode:
+    """A held layer's mode before its held forwards, and those forwards running: ``(thread
+    id, frame that called the hooks)`` each, one per pair of hooks that ran (a layer shared by
+    two attached trees carries two). The last to end puts the mode back."""
+
+    was: bool
+    calls: list = field(default_factory=list)
+
+    def __reduce__(self):  # a copy (deepcopy, pickle) of a layer keeps the mode, not frames
+        return (_SavedMode, (self.was,))
 
 
 def _norm_pre(module: nn.Module, _args) -> None:
-    # Only a layer a live state holds, never a copy's; once per forward, also when the layer
-    # carries several pairs of these hooks (shared by two models, or a copy attached itself).
+    # Only a layer a live state holds, never a copy's.
     if not _held(module):
-        _norm_post(module, _args, None)  # a mode left by an interrupted forward: back
-    elif _WAS_TRAINING not in module.__dict__:
-        _refuse_reset(module)
-        module.__dict__[_WAS_TRAINING] = module.training
+        _release_mode(module)  # a mode left by an interrupted forward: back
+    elif _is_compiling():  # traced code runs in one thread; dynamo refuses a lock there
+        saved = module.__dict__.get(_WAS_TRAINING)
+        if not isinstance(saved, bool):
+            _refuse_reset(module)
+            module.__dict__[_WAS_TRAINING] = _mode_before(module, saved)
         module.training = False  # normalize with, and never update, the running statistics
+    else:
+        here, me = sys._getframe(1), threading.get_ident()
+        with _MODE_LOCK:
+            saved = module.__dict__.get(_WAS_TRAINING)
+            calls = [c for c in getattr(saved, "calls", ()) if _running(c, me, here)]
+            if not calls:
+                _refuse_reset(module)
+            module.__dict__[_WAS_TRAINING] = _SavedMode(_mode_before(module, saved),
+                                                        [*calls, (me, here)])
+            module.training = _HELD_OFF  # normalize with, and never update, the statistics
+
+
+def _mode_before(module: nn.Module, saved) -> bool:
+    """The mode to put back after the held forward starting now: the layer's own when nothing
+    was saved; else the one saved before the held forwards running (or left by one a
+    BaseException ended), unless the user set one since."""
+    if saved is None:
+        return module.training
+    if isinstance(saved, bool):  # a traced forward's (which switched the layer to False)
+        return saved
+    return saved.was if module.__dict__.get("training") is _HELD_OFF else module.training
+
+
+def _running(call: tuple, me: int, here) -> bool:
+    """Whether held forward ``call`` has not ended: another thread's while that thread lives;
+    this thread's while the frame that called its hooks is on the stack (a KeyboardInterrupt
+    ends a forward without its ``always_call`` hook)."""
+    who, frame = call
+    if who != me:
+        return who in sys._current_frames()
+    while here is not None and here is not frame:
+        here = here.f_back
+    return here is not None
 
 
 def _norm_post(module: nn.Module, _args, _out) -> None:
-    """The layer's mode back after its forward. torch runs this hook (``always_call``) after a
-    forward that raised an Exception, not after a BaseException (``KeyboardInterrupt``): the
-    mode such a forward left is put back when the hold ends (``State._sync_norm_hooks``) or
-    at the layer's next forward, whichever comes first."""
-    was = module.__dict__.pop(_WAS_TRAINING, None)
-    if was is not None:
-        module.training = was
+    """The layer's mode back after its forward, unless the user set one while it ran (or
+    another thread's held forward of the layer still runs: the last to end puts it back).
+    torch runs this hook (``always_call``) after a forward that raised an Exception, not after
+    a BaseException (``KeyboardInterrupt``): the mode such a forward left is put back when the
+    hold ends (``State._sync_norm_hooks``) or at the layer's next forward, whichever comes
+    first."""
+    if _is_compiling():
+        _put_back(module)
+        return
+    with _MODE_LOCK:
+        saved = module.__dict__.get(_WAS_TRAINING)
+        if isinstance(saved, _SavedMode):
+            me = threading.get_ident()
+            mine = [i for i, (who, _) in enumerate(saved.calls) if who == me]
+            if mine:  # this thread's latest (its forwards of the layer nest)
+                saved.calls = saved.calls[:mine[-1]] + saved.calls[mine[-1] + 1:]
+            if saved.calls:
+                return
+        _put_back(module)
+
+
+def _release_mode(module: nn.Module) -> None:
+    """The hold ended: the mode its forwards saved, back (see :func:`_put_back`)."""
+    if _WAS_TRAINING not in module.__dict__:
+        return
+    if _is_compiling():
+        _put_back(module)
+        return
+    with _MODE_LOCK:
+        _put_back(module)
+
+
+def _put_back(module: nn.Module) -> None:
+    """Put back the mode held forwards saved, unless the user set one since: ``train()`` or
+    ``eval()`` while a forward ran or after one a BaseException ended."""
+    saved = module.__dict__.pop(_WAS_TRAINING, None)
+    if saved is not None:
+        module.training = _mode_before(module, saved)
 
 
 _OURS = (_pre_forward, _pre_forward_below, _pre_compiled_forward, _norm_pre, _norm_post)
