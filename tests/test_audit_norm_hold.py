@@ -86,6 +86,18 @@ def warmed(model: nn.Module, shape, steps: int = 2) -> nn.Module:
     return model
 
 
+def interrupted(net: nn.Module) -> None:
+    """A forward of ``net`` a KeyboardInterrupt ends inside ``net.norm``'s hooks (after
+    torchstruct's pre-hook: PyTorch runs no forward hook after a BaseException)."""
+    def interrupt(m, a):
+        raise KeyboardInterrupt
+
+    h = net.norm.register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        net(torch.randn(8, 4))
+    h.remove()
+
+
 LAYERS = {
     "bn1d_2d": (lambda: nn.BatchNorm1d(4), (8, 4)),
     "bn1d_3d": (lambda: nn.BatchNorm1d(4), (8, 4, 5)),
@@ -356,17 +368,9 @@ def test_exception_inside_the_layer_forward_restores_the_mode():
 
 
 def test_keyboard_interrupt_mode_restored_at_block_exit_documented():
-    torch.manual_seed(0)
     net = warmed(Net(nn.BatchNorm1d(4), 4), (8, 4))
-
-    def interrupt(m, a):
-        raise KeyboardInterrupt
-
     with ts.freeze(net, "norm"):
-        h = net.norm.register_forward_pre_hook(interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            net(torch.randn(8, 4))
-        h.remove()
+        interrupted(net)
         assert not net.norm.training  # documented: not restored after a BaseException ...
     assert net.norm.training  # ... but when the hold ends
 
@@ -897,17 +901,9 @@ def test_resnet_finetune_steps_match_a_hand_frozen_eval_copy():
 
 # --------------------------------------------------------------------------- more modes
 def test_eval_after_an_interrupted_held_forward_sticks():
-    torch.manual_seed(0)
     net = warmed(Net(nn.BatchNorm1d(4), 4), (8, 4))
-
-    def interrupt(m, a):
-        raise KeyboardInterrupt
-
     with ts.freeze(net, "norm"):
-        h = net.norm.register_forward_pre_hook(interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            net(torch.randn(8, 4))
-        h.remove()
+        interrupted(net)
         net.eval()  # e.g. a final validation after Ctrl-C
         net(torch.randn(8, 4))
     assert net.training is False
@@ -919,17 +915,9 @@ def test_eval_after_an_interrupted_held_forward_sticks():
 def test_train_after_an_interrupted_held_forward_is_still_held():
     """After a forward a KeyboardInterrupt ended, ``model.train()`` writes True over the
     held mode left behind; the next forward, still held, must not update the statistics."""
-    torch.manual_seed(0)
     net = warmed(Net(nn.BatchNorm1d(4), 4), (8, 4))
-
-    def interrupt(m, a):
-        raise KeyboardInterrupt
-
     with ts.freeze(net, "norm"):
-        h = net.norm.register_forward_pre_hook(interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            net(torch.randn(8, 4))
-        h.remove()
+        interrupted(net)
         net.train()
         before = stats(net.norm)
         net(torch.randn(8, 4))
@@ -944,17 +932,9 @@ def test_copy_after_an_interrupted_held_forward(how):
     """The mode a forward a KeyboardInterrupt ended left behind travels with a copy of the
     model (deepcopy, a whole-model torch.save), and the copy, which nothing holds, gets its
     training mode back at its first forward."""
-    torch.manual_seed(0)
     net = warmed(Net(nn.BatchNorm1d(4), 4), (8, 4))
-
-    def interrupt(m, a):
-        raise KeyboardInterrupt
-
     with ts.freeze(net, "norm"):
-        h = net.norm.register_forward_pre_hook(interrupt)
-        with pytest.raises(KeyboardInterrupt):
-            net(torch.randn(8, 4))
-        h.remove()
+        interrupted(net)
         if how == "deepcopy":
             twin = copy.deepcopy(net)
         else:
