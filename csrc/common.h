@@ -13,19 +13,20 @@
 
 namespace torchstruct {
 
-// Which reduction a p-norm needs. kInf: max |x|; kOne: sum |x|; kTwo: sum x^2;
-// kPow: sum |x|^p.
-enum class NormKind : int { kInf = 0, kOne = 1, kTwo = 2, kPow = 3 };
+// Which reduction a p-norm needs. kInf: max |x|; kOne: sum |x|; kTwo: sum x^2. The kernels
+// compute these three; a general p runs on PyTorch's ops in Python, where each tensor is
+// scaled by its largest element first (|x|^p leaves even double's range for ordinary values
+// once p is large: 100^200 overflows, 0.001^120 underflows).
+enum class NormKind : int { kInf = 0, kOne = 1, kTwo = 2 };
 
-inline NormKind norm_kind(double p) {
-  if (std::isinf(p)) return NormKind::kInf;
-  if (p == 1.0) return NormKind::kOne;
-  if (p == 2.0) return NormKind::kTwo;
-  return NormKind::kPow;
-}
-
-inline void check_norm_type(double p, const char* op = "torchstruct::global_norm") {
+// The norm type checked (> 0, or inf; then one of the kernels' three).
+inline NormKind check_norm_type(double p, const char* op = "torchstruct::global_norm") {
   TORCH_CHECK_VALUE(!std::isnan(p) && p > 0.0, op, ": norm_type must be > 0 (or inf), got ", p);
+  if (std::isinf(p)) return NormKind::kInf;
+  TORCH_CHECK_VALUE(p == 1.0 || p == 2.0, op, ": the kernels compute norm types 1, 2 and inf, ",
+                    "got ", p, "; torchstruct.global_norm and torchstruct.clip_by_global_norm ",
+                    "compute any p > 0 (on PyTorch's ops)");
+  return p == 1.0 ? NormKind::kOne : NormKind::kTwo;
 }
 
 inline bool is_supported_float(c10::ScalarType t) {
@@ -103,16 +104,8 @@ C10_HOST_DEVICE inline acc_t clip_coefficient(acc_t norm, double max_norm) {
 }
 
 // Applies the root of a p-norm to the reduced value (sum or max).
-inline double finish_norm(double reduced, double p, NormKind kind) {
-  switch (kind) {
-    case NormKind::kInf:
-    case NormKind::kOne:
-      return reduced;
-    case NormKind::kTwo:
-      return std::sqrt(reduced);
-    default:
-      return std::pow(reduced, 1.0 / p);
-  }
+inline double finish_norm(double reduced, NormKind kind) {
+  return kind == NormKind::kTwo ? std::sqrt(reduced) : reduced;
 }
 
 }  // namespace torchstruct

@@ -90,3 +90,13 @@ class Grows(nn.Module):
 
     def trainable(self):
         return ["a", "extra"] if "head" in self.extra else ["a", "b"]
+
+
+def holders(grads):
+    """Fresh parameters (zeros) whose ``.grad`` are copies of ``grads``."""
+    out = []
+    for g in grads:
+        w = nn.Parameter(torch.zeros_like(g))
+        w.grad = g.clone()
+        out.append(w)
+    return out

@@ -23,6 +23,7 @@ from torch import nn
 
 import torchstruct as ts
 from _flags import NEEDS_NAMED_OPTIM
+from _models import holders
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 README = DOCS.parent / "README.md"
@@ -836,15 +837,6 @@ def test_within_gradient_modes():
 # ---------------------------------------------------------------------------------------------
 # docs/clipping.md
 # ---------------------------------------------------------------------------------------------
-
-def holders(grads):
-    hs = []
-    for g in grads:
-        h = nn.Parameter(torch.zeros_like(g))
-        h.grad = g.clone()
-        hs.append(h)
-    return hs
-
 
 def test_clip_foreach_accepted_and_ignored():
     # "`foreach=` is accepted and ignored"

@@ -456,13 +456,6 @@ def test_clip_bumps_every_grad_version_so_autograd_notices(max_norm, error_if_no
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a general p takes |x|^p in float64 without scaling, so for large p it overflows "
-    "(or underflows) exactly as the docs say float32 would: p=200 and gradients of 100 give "
-    "an inf total norm and zeroed gradients, although the norm (~100.7) is representable. "
-    "docs/clipping.md promises for general p: 'the norm here is exact' (no zeroed or "
-    "unclipped gradients whose norm is representable); docs/clipping.md states the limit "
-    "now, rescaling by the largest element is the fix."))
 def test_general_p_norm_does_not_overflow_in_float64():
     g = torch.full((4,), 100.0)
     expected = 100.0 * 4 ** (1 / 200)
@@ -473,10 +466,6 @@ def test_general_p_norm_does_not_overflow_in_float64():
     assert bool((p.grad != 0).all())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a general p underflows in float64 for small gradients: p=120 and gradients of "
-    "1e-3 give a total norm of 0, so a max_norm below the true norm leaves them unclipped. "
-    "docs/clipping.md: for general p 'the norm here is exact'."))
 def test_general_p_norm_does_not_underflow_in_float64():
     g = torch.full((4,), 1e-3, dtype=torch.float64)
     expected = 1e-3 * 4 ** (1 / 120)

@@ -239,11 +239,26 @@ def test_compiled_op_rejects_bad_dtype():
 @requires_compiled
 def test_compiled_op_matches_reference():
     tensors = [make((300, 5), d, seed=i) for i, d in enumerate(DTYPES)]
-    for p in NORM_TYPES:
+    for p in _reference.KERNEL_NORMS:
         got = torch.ops.torchstruct.global_norm(tensors, p)
         ref = _reference.global_norm(tensors, p)
         assert got.dtype == ref.dtype
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=0.0)
+
+
+@requires_compiled
+@pytest.mark.parametrize("p", [0.5, 3.0, 200.0])
+def test_compiled_ops_refuse_a_general_p_which_the_api_computes(p):
+    """The kernels compute 1, 2 and inf; a general p is refused by the ops themselves (before
+    any write) and computed by the public functions on PyTorch's ops."""
+    g = [make((30,), torch.float32, seed=1)]
+    before = g[0].clone()
+    with pytest.raises(ValueError, match="kernels compute norm types 1, 2 and inf"):
+        torch.ops.torchstruct.global_norm(g, p)
+    with pytest.raises(ValueError, match="kernels compute norm types 1, 2 and inf"):
+        torch.ops.torchstruct.clip_by_global_norm_(g, 0.1, p)
+    assert torch.equal(g[0], before)
+    assert_norm_close(_ops.global_norm(g, p), g, p)
 
 
 # --------------------------------------------------------------------------- dispatch

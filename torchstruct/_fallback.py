@@ -7,8 +7,10 @@ install time): the same signatures, checks and semantics as
 instead of one Python loop per tensor.
 
 * ``global_norm``: ``torch._foreach_norm`` per dtype (fp16/bf16 accumulate in
-  float32, float64 in float64, everything on the CPU and every general p in
-  float64 as the kernels do), then one reduction of the per-tensor norms.
+  float32, float64 in float64, everything on the CPU in float64 as the kernels do),
+  then one reduction of the per-tensor norms; a general p (not 1, 2 or inf, which
+  no kernel computes), tensor by tensor in float64, scaled by the largest element
+  (``_reference.vector_norm``).
 * ``scale_``: ``torch._foreach_mul_`` by the 0-dim scale on the device (entry
   by entry, in list order, when entries share memory).
 * ``clip_by_global_norm_``: the two above; the coefficient never leaves the
@@ -107,8 +109,11 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
     if not nonempty:
         return torch.zeros((), dtype=dtype, device=device)
     acc = _reference.accumulate_dtype(device, dtype, p)
-    parts = []
     with torch.no_grad():
+        if p not in _reference.KERNEL_NORMS:  # scaled, tensor by tensor (see vector_norm)
+            return _reference.combine_norms(
+                [_reference.vector_norm(t, p, acc) for t in nonempty], p).to(dtype)
+        parts = []
         for group_dtype, idx in _by_dtype(nonempty).items():
             group_acc = torch.float64 if group_dtype == torch.float64 else acc
             norms = torch._foreach_norm([nonempty[i] for i in idx], p, dtype=group_acc)

@@ -232,16 +232,17 @@ def run_eagerly(fn):
     return call
 
 
-def _impl(name: str, device: torch.device, tensors: Sequence[torch.Tensor]):
+def _impl(name: str, device: torch.device, tensors: Sequence[torch.Tensor], kernel: bool = True):
     """The implementation of op ``name`` for ``tensors`` (all on ``device``): the
     reference when it is active, an autograd graph is needed or the tensors are
-    ``meta``; else the compiled op when the device type has its kernel; else the
-    fallback (warning once per device when the compiled backend is active)."""
+    ``meta``; else the compiled op when the device type has its kernel (and ``kernel``:
+    False for a norm type no kernel computes); else the fallback (warning once per device
+    when the compiled backend is active and the device lacks the kernel)."""
     if _backend == "reference" or device.type == "meta" or _needs_autograd(tensors):
         return getattr(_reference, name)
-    if _has_kernel(name, device.type):
+    if kernel and _has_kernel(name, device.type):
         return getattr(torch.ops.torchstruct, name)
-    if _backend == "compiled":
+    if kernel and _backend == "compiled":
         _warn_fallback(device)
     if name in _EAGER_FALLBACK and _is_compiling():
         return _EAGER_FALLBACK[name]
@@ -291,18 +292,25 @@ def _per_device(
     tensors: List[torch.Tensor],
     args: tuple,
     validate: Callable[[List[torch.Tensor]], List[torch.Tensor]],
+    kernel: bool = True,
 ) -> List[torch.Tensor]:
     """Run op ``name`` as ``op(part, *args)`` for each device's part of the
     non-empty list ``tensors``; the results in order of first appearance.
 
     The checked path, after the fast path (``_try_compiled``) refused: ``validate``
-    (raises clear errors), then one call per device through ``_impl``. The compiled
-    kernels check every input before they write anything, so a refused call has no
-    effect.
+    (raises clear errors), then one call per device through ``_impl`` (``kernel``: as
+    there). The compiled kernels check every input before they write anything, so a
+    refused call has no effect.
     """
     tensors = validate(tensors)
     groups = _group_by_device(tensors)
-    return [_impl(name, device, part)(part, *args) for device, part in groups.items()]
+    return [_impl(name, device, part, kernel)(part, *args) for device, part in groups.items()]
+
+
+def _kernel_norm(p: float) -> bool:
+    """Whether the kernels compute norm type ``p`` (1, 2 or inf); a general p runs on
+    PyTorch's ops, scaled (``_reference.vector_norm``)."""
+    return p in _reference.KERNEL_NORMS
 
 
 # ---------------------------------------------------------------------------
@@ -363,12 +371,14 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
     tensors = list(tensors) if not isinstance(tensors, torch.Tensor) else [tensors]
     if not tensors:
         return torch.tensor(0.0)
-    out = _try_compiled("global_norm", tensors, (p,))
+    kernel = _kernel_norm(p)
+    out = _try_compiled("global_norm", tensors, (p,)) if kernel else _REFUSED
     if out is not _REFUSED:
         return out
     if _dtensor.any_dtensor(tensors):
         return _dtensor.global_norm(tensors, p, lambda part: global_norm(part, p))
-    norms = _per_device("global_norm", tensors, (p,), _validate_float_tensors("global_norm"))
+    norms = _per_device("global_norm", tensors, (p,), _validate_float_tensors("global_norm"),
+                        kernel)
     if len(norms) == 1:
         return norms[0]
     return _reference.combine_norms(norms, p, tensors[0].device)
@@ -468,7 +478,8 @@ def clip_by_global_norm_(
     grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
     if not grads:
         return torch.tensor(0.0)
-    if not error_if_nonfinite:
+    kernel = _kernel_norm(p)
+    if not error_if_nonfinite and kernel:
         out = _try_compiled("clip_by_global_norm_", grads, (max_norm, p))
         if out is not _REFUSED:
             return out
@@ -478,10 +489,11 @@ def clip_by_global_norm_(
     groups = _group_by_device(local_grads)
     if len(groups) == 1 and not error_if_nonfinite and not sharded:
         device = local_grads[0].device
-        return _impl("clip_by_global_norm_", device, local_grads)(local_grads, max_norm, p)
+        return _impl("clip_by_global_norm_", device, local_grads, kernel)(
+            local_grads, max_norm, p)
     # Resolve every kernel first: an unsupported device raises before any write.
     plans = [
-        (_impl("global_norm", device, part), _impl("scale_", device, part), device, part)
+        (_impl("global_norm", device, part, kernel), _impl("scale_", device, part), device, part)
         for device, part in groups.items()
     ]
     if sharded:
@@ -509,7 +521,8 @@ def clip_grads_of(params, max_norm, norm_type):
     returns the norm, or None when it does not apply or the input needs the checked path
     (nothing has been written then). Call it under ``torch.no_grad()``."""
     if (_backend != "compiled" or _is_compiling() or not isinstance(params, (list, tuple))
-            or not _KERNELS["clip_by_global_norm_"] or _no_kernels):
+            or not _KERNELS["clip_by_global_norm_"] or _no_kernels
+            or not _kernel_norm(float(norm_type))):
         return None
     try:  # a device without a kernel is refused there, and explained by the checked path
         return _C.clip_grads_(params, float(max_norm), float(norm_type))

@@ -78,8 +78,9 @@ def result_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
 def combine_norms(norms: Sequence[torch.Tensor], norm_type: float, device=None) -> torch.Tensor:
     """Combine p-norms of disjoint parts into the p-norm of the whole.
 
-    inf: the max (NaN-propagating); otherwise ``(sum n_i^p)^(1/p)``. The result is
-    on ``device`` (default: the first norm's device) in the widest input dtype.
+    inf: the max (NaN-propagating); otherwise ``(sum n_i^p)^(1/p)`` (scaled for a general p,
+    see :func:`vector_norm`). The result is on ``device`` (default: the first norm's device)
+    in the widest input dtype.
     """
     if device is None:
         device = norms[0].device
@@ -87,7 +88,27 @@ def combine_norms(norms: Sequence[torch.Tensor], norm_type: float, device=None) 
     stacked = torch.stack([n.to(device=device, dtype=dtype) for n in norms])
     if math.isinf(norm_type):
         return stacked.amax()
-    return torch.linalg.vector_norm(stacked, norm_type)
+    return vector_norm(stacked, norm_type, dtype)
+
+
+KERNEL_NORMS = (1.0, 2.0, math.inf)  # the norm types the compiled kernels compute
+
+
+def vector_norm(t: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.linalg.vector_norm(t, p, dtype=dtype)``, exact for a general p (not in
+    :data:`KERNEL_NORMS`) wherever the norm itself is representable: the elements are divided
+    by the largest magnitude ``m`` before their powers are taken, and the result multiplied
+    by it (``m * ||t / m||_p``), so ``|x|^p`` neither overflows (``100^200``) nor underflows
+    (``0.001^120``) even where the norm is an ordinary number. ``m`` is a constant for
+    autograd (the norm is homogeneous: the gradient is the same). inf anywhere gives inf,
+    NaN anywhere NaN. Never reads a value on the host."""
+    if p in KERNEL_NORMS:
+        return torch.linalg.vector_norm(t, p, dtype=dtype)
+    x = t.to(dtype)
+    m = x.detach().abs().amax()
+    scale = torch.where((m > 0) & torch.isfinite(m), m, torch.ones_like(m))
+    norm = scale * torch.linalg.vector_norm(x / scale, p)
+    return torch.where(torch.isinf(m), m, norm)
 
 
 def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -104,11 +125,8 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
         return torch.tensor(0.0)
     device = tensors[0].device
     dtype = result_dtype(tensors)
-    norms = [
-        torch.linalg.vector_norm(t, p, dtype=accumulate_dtype(t.device, dtype, p))
-        for t in tensors
-        if t.numel() > 0
-    ]
+    norms = [vector_norm(t, p, accumulate_dtype(t.device, dtype, p))
+             for t in tensors if t.numel() > 0]
     if not norms:
         return torch.zeros((), dtype=dtype, device=device)
     return combine_norms(norms, p, device).to(dtype)
@@ -118,8 +136,8 @@ def accumulate_dtype(device: torch.device, dtype: torch.dtype, p: float) -> torc
     """The dtype in which a norm of ``dtype`` results on ``device`` accumulates: float64 on
     the CPU (PyTorch's CPU norm kernels lose ~1e-4 relative accuracy in float32 on millions
     of elements; the compiled CPU kernel sums its partials in double) and for a general p
-    (not 1, 2 or inf) anywhere (|x|^p leaves float32's range for ordinary values once p is
-    large: 30000^10 overflows, 0.001^20 underflows); elsewhere ``dtype``."""
+    (not 1, 2 or inf) anywhere (float64 keeps more of the powers of the elements much smaller
+    than the largest, see :func:`vector_norm`); elsewhere ``dtype``."""
     if device.type == "cpu" or p not in (1.0, 2.0, math.inf):
         return torch.float64
     return dtype

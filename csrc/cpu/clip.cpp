@@ -228,7 +228,7 @@ void scale_cpu(at::TensorList tensors, const at::Tensor& scale) {
 
 at::Tensor clip_by_global_norm_cpu(at::TensorList grads, double max_norm, double norm_type) {
   constexpr const char* op = "torchstruct::clip_by_global_norm_";
-  check_norm_type(norm_type, op);
+  const NormKind kind = check_norm_type(norm_type, op);
   check_max_norm(max_norm, op);
   const c10::ScalarType acc_dtype = check_float_tensors(grads, op);
   check_cpu(grads, op);
@@ -236,7 +236,7 @@ at::Tensor clip_by_global_norm_cpu(at::TensorList grads, double max_norm, double
   bump_versions(grads);  // every grad is written, as torch always multiplies
 
   const Plan plan = make_plan(grads);
-  const double norm = cpu::norm_of_chunks(plan.chunks, norm_type, plan.total);
+  const double norm = cpu::norm_of_chunks(plan.chunks, kind, plan.total);
   const double coef = acc_dtype == c10::kDouble
                           ? clip_coefficient<double>(norm, max_norm)
                           : static_cast<double>(

@@ -14,7 +14,7 @@ namespace torchstruct {
 namespace {
 
 at::Tensor global_norm_cpu(at::TensorList tensors, double norm_type) {
-  check_norm_type(norm_type);
+  const NormKind kind = check_norm_type(norm_type);
   const c10::ScalarType out_dtype = check_global_norm_inputs(tensors);
   TORCH_CHECK(tensors[0].device().is_cpu(),
               "torchstruct::global_norm: CPU kernel called with tensors on ", tensors[0].device());
@@ -28,7 +28,7 @@ at::Tensor global_norm_cpu(at::TensorList tensors, double norm_type) {
     cpu::append_tensor(t, chunks, owned);
     total += t.numel();
   }
-  const double result = cpu::norm_of_chunks(chunks, norm_type, total);
+  const double result = cpu::norm_of_chunks(chunks, kind, total);
   return cpu::cpu_scalar(result, out_dtype);
 }
 

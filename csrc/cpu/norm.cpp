@@ -3,10 +3,8 @@
 // Inside a chunk, elements are processed in blocks of kBlock with kLanes
 // independent accumulators (float for float/half/bfloat16 input, double for
 // double input), written so that g++ -O3 vectorizes them; every block is
-// flushed into a double. A general p (not 1, 2 or inf) takes every power and
-// sum in double: |x|^p leaves float's range for ordinary values once p is
-// large (30000^10 overflows, 0.001^20 underflows). The chunk functions are
-// compiled for baseline x86-64 and AVX2 (TS_TARGET_CLONES).
+// flushed into a double. The chunk functions are compiled for baseline x86-64
+// and AVX2 (TS_TARGET_CLONES).
 #include "norm.h"
 
 #include <ATen/Parallel.h>
@@ -48,7 +46,7 @@ inline double fold(double acc, double v) {
 }
 
 // Reduces n (<= kBlock) contiguous values of type T (float or double) into a
-// double: the sum of |x|, x^2 or |x|^p, or the max of |x| (NaN-propagating).
+// double: the sum of |x| or x^2, or the max of |x| (NaN-propagating).
 //
 // For kInf (double) the lanes use the plain `a > m ? a : m` (one max
 // instruction, which drops NaN) and a second set of lanes sums x * 0, which is
@@ -82,29 +80,10 @@ TS_ALWAYS_INLINE double max_abs_block(const float* __restrict x, int64_t n) {
   return static_cast<double>(f);
 }
 
-template <typename T>
-TS_ALWAYS_INLINE double pow_block(const T* __restrict x, int64_t n, double p) {
-  double acc[kLanes];
-  for (int k = 0; k < kLanes; ++k) acc[k] = 0.0;
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      acc[k] += std::pow(std::abs(static_cast<double>(x[i + k])), p);
-    }
-  }
-  for (; i < n; ++i) acc[0] += std::pow(std::abs(static_cast<double>(x[i])), p);
-  double out = 0.0;
-  for (int k = 0; k < kLanes; ++k) out += acc[k];
-  return out;
-}
-
 template <typename T, NormKind K>
-TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n, double p) {
+TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n) {
   if constexpr (K == NormKind::kInf && std::is_same_v<T, float>) {
     return max_abs_block(x, n);
-  }
-  if constexpr (K == NormKind::kPow) {
-    return pow_block(x, n, p);
   }
   T acc[kLanes];
   T nonfinite[kLanes];
@@ -158,20 +137,20 @@ TS_ALWAYS_INLINE double reduce_block(const T* __restrict x, int64_t n, double p)
 
 
 template <NormKind K>
-TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c, double p) {
+TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c) {
   double acc = 0.0;
   switch (c.dtype) {
     case c10::kFloat: {
       const float* x = static_cast<const float*>(c.data);
       for (int64_t b = 0; b < c.numel; b += kBlock) {
-        acc = fold<K>(acc, reduce_block<float, K>(x + b, std::min(kBlock, c.numel - b), p));
+        acc = fold<K>(acc, reduce_block<float, K>(x + b, std::min(kBlock, c.numel - b)));
       }
       break;
     }
     case c10::kDouble: {
       const double* x = static_cast<const double*>(c.data);
       for (int64_t b = 0; b < c.numel; b += kBlock) {
-        acc = fold<K>(acc, reduce_block<double, K>(x + b, std::min(kBlock, c.numel - b), p));
+        acc = fold<K>(acc, reduce_block<double, K>(x + b, std::min(kBlock, c.numel - b)));
       }
       break;
     }
@@ -187,7 +166,7 @@ TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c, double p) {
           const c10::BFloat16* x = static_cast<const c10::BFloat16*>(c.data) + b;
           for (int64_t i = 0; i < n; ++i) buf[i] = load(x[i]);
         }
-        acc = fold<K>(acc, reduce_block<float, K>(buf, n, p));
+        acc = fold<K>(acc, reduce_block<float, K>(buf, n));
       }
       break;
     }
@@ -197,42 +176,30 @@ TS_ALWAYS_INLINE double reduce_chunk(const Chunk& c, double p) {
   return acc;
 }
 
-TS_TARGET_CLONES double chunk_inf(const Chunk& c, double p) {
-  return reduce_chunk<NormKind::kInf>(c, p);
-}
-TS_TARGET_CLONES double chunk_one(const Chunk& c, double p) {
-  return reduce_chunk<NormKind::kOne>(c, p);
-}
-TS_TARGET_CLONES double chunk_two(const Chunk& c, double p) {
-  return reduce_chunk<NormKind::kTwo>(c, p);
-}
-TS_TARGET_CLONES double chunk_pow(const Chunk& c, double p) {
-  return reduce_chunk<NormKind::kPow>(c, p);
-}
+TS_TARGET_CLONES double chunk_inf(const Chunk& c) { return reduce_chunk<NormKind::kInf>(c); }
+TS_TARGET_CLONES double chunk_one(const Chunk& c) { return reduce_chunk<NormKind::kOne>(c); }
+TS_TARGET_CLONES double chunk_two(const Chunk& c) { return reduce_chunk<NormKind::kTwo>(c); }
 
-template <double (*ChunkFn)(const Chunk&, double)>
-void reduce_all(const std::vector<Chunk>& chunks, double p, std::vector<double>& partials,
-                   int64_t grain) {
+template <double (*ChunkFn)(const Chunk&)>
+void reduce_all(const std::vector<Chunk>& chunks, std::vector<double>& partials, int64_t grain) {
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), grain,
                    [&](int64_t begin, int64_t end) {
                      for (int64_t i = begin; i < end; ++i) {
-                       partials[i] = ChunkFn(chunks[i], p);
+                       partials[i] = ChunkFn(chunks[i]);
                      }
                    });
 }
 
 }  // namespace
 
-double reduce_chunks(const std::vector<Chunk>& chunks, double p, int64_t total_elems) {
+double reduce_chunks(const std::vector<Chunk>& chunks, NormKind kind, int64_t total_elems) {
   if (chunks.empty()) return 0.0;
-  const NormKind kind = norm_kind(p);
   const int64_t grain = chunk_grain(static_cast<int64_t>(chunks.size()), total_elems);
   std::vector<double> partials(chunks.size(), 0.0);
   switch (kind) {
-    case NormKind::kInf: reduce_all<chunk_inf>(chunks, p, partials, grain); break;
-    case NormKind::kOne: reduce_all<chunk_one>(chunks, p, partials, grain); break;
-    case NormKind::kTwo: reduce_all<chunk_two>(chunks, p, partials, grain); break;
-    case NormKind::kPow: reduce_all<chunk_pow>(chunks, p, partials, grain); break;
+    case NormKind::kInf: reduce_all<chunk_inf>(chunks, partials, grain); break;
+    case NormKind::kOne: reduce_all<chunk_one>(chunks, partials, grain); break;
+    case NormKind::kTwo: reduce_all<chunk_two>(chunks, partials, grain); break;
   }
   double reduced = 0.0;
   for (double v : partials) reduced = combine(reduced, v, kind);

@@ -75,10 +75,10 @@ inline int64_t chunk_grain(int64_t nchunks, int64_t total_elems) {
   return g < 1 ? 1 : g;
 }
 
-// The reduced value of all chunks (sum of |x|, x^2 or |x|^p, or max |x|,
+// The reduced value of all chunks (sum of |x| or x^2, or max |x|,
 // NaN-propagating), before the root; 0 for no chunks. `total_elems`: the
 // number of elements in `chunks`, for the parallel grain.
-double reduce_chunks(const std::vector<Chunk>& chunks, double p, int64_t total_elems);
+double reduce_chunks(const std::vector<Chunk>& chunks, NormKind kind, int64_t total_elems);
 
 // A 0-dim CPU tensor of `dtype` holding `value`, rounded as a tensor cast rounds: a value beyond
 // the dtype's range becomes inf, as torch's own norms return it (at::scalar_tensor refuses such a
@@ -88,8 +88,9 @@ inline at::Tensor cpu_scalar(double value, c10::ScalarType dtype) {
 }
 
 // The p-norm of all chunks (reduce_chunks then finish_norm).
-inline double norm_of_chunks(const std::vector<Chunk>& chunks, double p, int64_t total_elems) {
-  return finish_norm(reduce_chunks(chunks, p, total_elems), p, norm_kind(p));
+inline double norm_of_chunks(const std::vector<Chunk>& chunks, NormKind kind,
+                             int64_t total_elems) {
+  return finish_norm(reduce_chunks(chunks, kind, total_elems), kind);
 }
 
 }  // namespace cpu

@@ -50,9 +50,9 @@ __device__ __forceinline__ out_t from_double(double v) {
 
 template <typename out_t, typename acc_t>
 __global__ void clip_finish_kernel(const double* __restrict__ partials, int64_t n, int kind,
-                                   double p, double max_norm, out_t* __restrict__ out,
+                                   double max_norm, out_t* __restrict__ out,
                                    double* __restrict__ coef) {
-  const double v = reduce_partials(partials, n, kind, p);
+  const double v = reduce_partials(partials, n, kind);
   if (threadIdx.x == 0) {
     *out = from_double<out_t>(v);
     *coef = static_cast<double>(clip_coefficient<acc_t>(static_cast<acc_t>(v), max_norm));
@@ -203,7 +203,7 @@ void scale_cuda(at::TensorList tensors, const at::Tensor& scale) {
 
 at::Tensor clip_by_global_norm_cuda(at::TensorList grads, double max_norm, double norm_type) {
   constexpr const char* op = "torchstruct::clip_by_global_norm_";
-  check_norm_type(norm_type, op);
+  const int kind = static_cast<int>(check_norm_type(norm_type, op));
   check_max_norm(max_norm, op);
   const c10::ScalarType acc_dtype = check_float_tensors(grads, op);
   check_cuda(grads, op);
@@ -212,7 +212,6 @@ at::Tensor clip_by_global_norm_cuda(at::TensorList grads, double max_norm, doubl
   bump_versions(grads);
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int kind = static_cast<int>(norm_kind(norm_type));
 
   const Plan plan = make_plan(grads);
   const c10::ScalarType out_dtype = promoted_dtype(grads);
@@ -220,14 +219,14 @@ at::Tensor clip_by_global_norm_cuda(at::TensorList grads, double max_norm, doubl
   at::Tensor coef = at::empty({}, grads[0].options().dtype(c10::kDouble));
   at::Tensor partials = at::empty({std::max<int64_t>(plan.total_chunks, 1)},
                                   grads[0].options().dtype(c10::kDouble));
-  launch_partials(plan, kind, norm_type, partials.data_ptr<double>(), stream, op);
+  launch_partials(plan, kind, partials.data_ptr<double>(), stream, op);
 
   const double* parts = partials.const_data_ptr<double>();
   double* coef_dev = coef.data_ptr<double>();
   const int64_t n = plan.total_chunks;
 #define TS_CLIP_FINISH(out_t, acc_t)                                                      \
   clip_finish_kernel<out_t, acc_t><<<1, kThreads, 0, stream>>>(                           \
-      parts, n, kind, norm_type, max_norm, reinterpret_cast<out_t*>(out.data_ptr()), coef_dev)
+      parts, n, kind, max_norm, reinterpret_cast<out_t*>(out.data_ptr()), coef_dev)
   const bool acc_double = acc_dtype == c10::kDouble;
   switch (out_dtype) {
     case c10::kDouble: TS_CLIP_FINISH(double, double); break;

@@ -19,19 +19,18 @@ using namespace torchstruct::cuda;
 
 template <typename out_t>
 __global__ void finish_kernel(const double* __restrict__ partials, int64_t n, int kind,
-                              double p, out_t* __restrict__ out) {
-  const double v = reduce_partials(partials, n, kind, p);
+                              out_t* __restrict__ out) {
+  const double v = reduce_partials(partials, n, kind);
   if (threadIdx.x == 0) *out = static_cast<out_t>(v);
 }
 
 at::Tensor global_norm_cuda(at::TensorList tensors, double norm_type) {
-  check_norm_type(norm_type);
+  const int kind = static_cast<int>(check_norm_type(norm_type));
   const c10::ScalarType out_dtype = check_global_norm_inputs(tensors);
   const c10::Device device = tensors[0].device();
   TORCH_CHECK(device.is_cuda(), "torchstruct::global_norm: CUDA kernel called with tensors on ",
               device);
   const c10::cuda::CUDAGuard guard(device);
-  const int kind = static_cast<int>(norm_kind(norm_type));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
 
   const Plan plan = make_plan(tensors);
@@ -39,16 +38,15 @@ at::Tensor global_norm_cuda(at::TensorList tensors, double norm_type) {
   // At least one slot, so the finish kernel always has a valid buffer.
   at::Tensor partials = at::empty({std::max<int64_t>(plan.total_chunks, 1)},
                                   tensors[0].options().dtype(c10::kDouble));
-  launch_partials(plan, kind, norm_type, partials.data_ptr<double>(), stream,
-                  "torchstruct::global_norm");
+  launch_partials(plan, kind, partials.data_ptr<double>(), stream, "torchstruct::global_norm");
 
   if (out_dtype == c10::kDouble) {
     finish_kernel<double><<<1, kThreads, 0, stream>>>(partials.const_data_ptr<double>(),
-                                                      plan.total_chunks, kind, norm_type,
+                                                      plan.total_chunks, kind,
                                                       out.data_ptr<double>());
   } else {
     finish_kernel<float><<<1, kThreads, 0, stream>>>(partials.const_data_ptr<double>(),
-                                                     plan.total_chunks, kind, norm_type,
+                                                     plan.total_chunks, kind,
                                                      out.data_ptr<float>());
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -12,8 +12,9 @@
 //     kChunk elements. The norm type is a template parameter (no branch in the
 //     loop); each thread reads 16-byte vectors (when the tensor is 16-byte
 //     aligned) into independent accumulators in acc_t (float for
-//     float/half/bfloat16, double for double and for a general p); a block reduction writes the
-//     block's partial into its slot of a double workspace.
+//     float/half/bfloat16, double for double); a block reduction writes the
+//     block's partial into its slot of a double workspace. The norm types are 1, 2
+//     and inf (check_norm_type); a general p runs on PyTorch's ops (see common.h).
 //  3. The caller reduces the partials on the device (see `reduce_partials`).
 #pragma once
 
@@ -41,16 +42,14 @@ __device__ __forceinline__ T nan_max(T acc, T a) {
 
 // One element into an accumulator; the norm type is known at compile time.
 template <NormKind K, typename acc_t>
-__device__ __forceinline__ acc_t accumulate(acc_t acc, acc_t x, acc_t p) {
+__device__ __forceinline__ acc_t accumulate(acc_t acc, acc_t x) {
   const acc_t a = ::abs(x);
   if constexpr (K == NormKind::kInf) {
     return nan_max(acc, a);
   } else if constexpr (K == NormKind::kOne) {
     return acc + a;
-  } else if constexpr (K == NormKind::kTwo) {
-    return acc + a * a;
   } else {
-    return acc + pow(a, p);
+    return acc + a * a;
   }
 }
 
@@ -78,19 +77,11 @@ __device__ T block_reduce(T v, int kind) {
 // Reduces n partials with one block (kThreads threads) and applies the root;
 // the result is valid in thread 0.
 __device__ __forceinline__ double reduce_partials(const double* __restrict__ partials, int64_t n,
-                                                  int kind, double p) {
+                                                  int kind) {
   double acc = 0.0;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) acc = combine(acc, partials[i], kind);
   const double r = block_reduce<double>(acc, kind);
-  switch (kind) {
-    case static_cast<int>(NormKind::kInf):
-    case static_cast<int>(NormKind::kOne):
-      return r;
-    case static_cast<int>(NormKind::kTwo):
-      return sqrt(r);
-    default:
-      return pow(r, 1.0 / p);
-  }
+  return kind == static_cast<int>(NormKind::kTwo) ? sqrt(r) : r;
 }
 
 using NormArgs = ChunkArgs<1, 110, 320>;
@@ -113,12 +104,11 @@ struct alignas(16) Vec {
 #endif
 template <NormKind K, typename scalar_t, typename acc_t>
 __global__ void __launch_bounds__(kThreads, TORCHSTRUCT_NORM_MIN_BLOCKS)
-    partial_kernel(NormArgs args, double p, double* __restrict__ partials) {
+    partial_kernel(NormArgs args, double* __restrict__ partials) {
   constexpr int kVec = 16 / sizeof(scalar_t);
   constexpr int kUnroll = sizeof(scalar_t) >= 4 ? 2 : 1;  // 2-byte types: 8 accumulators already
   const Chunk c = chunk_of(args);
   const scalar_t* x = static_cast<const scalar_t*>(args.ptr[0][c.tensor]) + c.begin;
-  const acc_t pp = static_cast<acc_t>(p);
 
   acc_t acc[kVec];
 #pragma unroll
@@ -140,7 +130,7 @@ __global__ void __launch_bounds__(kThreads, TORCHSTRUCT_NORM_MIN_BLOCKS)
         if (base + u * kThreads < nvec) {
 #pragma unroll
           for (int j = 0; j < kVec; ++j) {
-            acc[j] = accumulate<K>(acc[j], static_cast<acc_t>(v[u].val[j]), pp);
+            acc[j] = accumulate<K>(acc[j], static_cast<acc_t>(v[u].val[j]));
           }
         }
       }
@@ -156,12 +146,12 @@ __global__ void __launch_bounds__(kThreads, TORCHSTRUCT_NORM_MIN_BLOCKS)
     const acc_t a1 = static_cast<acc_t>(x[i + kThreads]);
     const acc_t a2 = static_cast<acc_t>(x[i + 2 * kThreads]);
     const acc_t a3 = static_cast<acc_t>(x[i + 3 * kThreads]);
-    r0 = accumulate<K>(r0, a0, pp);
-    r1 = accumulate<K>(r1, a1, pp);
-    r2 = accumulate<K>(r2, a2, pp);
-    r3 = accumulate<K>(r3, a3, pp);
+    r0 = accumulate<K>(r0, a0);
+    r1 = accumulate<K>(r1, a1);
+    r2 = accumulate<K>(r2, a2);
+    r3 = accumulate<K>(r3, a3);
   }
-  for (; i < c.size; i += kThreads) r0 = accumulate<K>(r0, static_cast<acc_t>(x[i]), pp);
+  for (; i < c.size; i += kThreads) r0 = accumulate<K>(r0, static_cast<acc_t>(x[i]));
   constexpr int kind = static_cast<int>(K);
   acc_t total = combine(combine(r0, r1, kind), combine(r2, r3, kind), kind);
 #pragma unroll
@@ -237,37 +227,35 @@ void for_each_group_launch(const Group& g, int64_t count, Launch launch) {
 }
 
 template <NormKind K, typename scalar_t, typename acc_t>
-void launch_partials_of(const Group& g, double p, double* partials, cudaStream_t stream) {
+void launch_partials_of(const Group& g, double* partials, cudaStream_t stream) {
   int64_t offset = 0;
   for_each_group_launch(g, static_cast<int64_t>(g.tensors.size()),
                         [&](const NormArgs& args, int blocks) {
                           partial_kernel<K, scalar_t, acc_t>
-                              <<<blocks, kThreads, 0, stream>>>(args, p, partials + offset);
+                              <<<blocks, kThreads, 0, stream>>>(args, partials + offset);
                           C10_CUDA_KERNEL_LAUNCH_CHECK();
                           offset += blocks;
                         });
 }
 
 template <NormKind K>
-void launch_partials_kind(const Plan& plan, double p, double* partials, cudaStream_t stream,
+void launch_partials_kind(const Plan& plan, double* partials, cudaStream_t stream,
                           const char* op) {
-  // a general p takes its powers and sums in double: |x|^p leaves float's range for ordinary
-  // values once p is large (30000^10 overflows, 0.001^20 underflows)
-  using acc_t = std::conditional_t<K == NormKind::kPow, double, float>;
+  using acc_t = float;
   for (const Group& g : plan.groups) {
     double* gp = partials + g.partial_offset;
     switch (g.dtype) {
       case c10::kFloat:
-        launch_partials_of<K, float, acc_t>(g, p, gp, stream);
+        launch_partials_of<K, float, acc_t>(g, gp, stream);
         break;
       case c10::kDouble:
-        launch_partials_of<K, double, double>(g, p, gp, stream);
+        launch_partials_of<K, double, double>(g, gp, stream);
         break;
       case c10::kHalf:
-        launch_partials_of<K, c10::Half, acc_t>(g, p, gp, stream);
+        launch_partials_of<K, c10::Half, acc_t>(g, gp, stream);
         break;
       case c10::kBFloat16:
-        launch_partials_of<K, c10::BFloat16, acc_t>(g, p, gp, stream);
+        launch_partials_of<K, c10::BFloat16, acc_t>(g, gp, stream);
         break;
       default:
         TORCH_CHECK(false, op, ": unsupported dtype ", g.dtype);
@@ -276,18 +264,16 @@ void launch_partials_kind(const Plan& plan, double p, double* partials, cudaStre
 }
 
 // The partials of every chunk of every group: partials[0 .. total_chunks).
-inline void launch_partials(const Plan& plan, int kind, double p, double* partials,
-                            cudaStream_t stream, const char* op) {
+inline void launch_partials(const Plan& plan, int kind, double* partials, cudaStream_t stream,
+                            const char* op) {
   if (plan.total_chunks == 0) return;
   switch (static_cast<NormKind>(kind)) {
     case NormKind::kInf:
-      return launch_partials_kind<NormKind::kInf>(plan, p, partials, stream, op);
+      return launch_partials_kind<NormKind::kInf>(plan, partials, stream, op);
     case NormKind::kOne:
-      return launch_partials_kind<NormKind::kOne>(plan, p, partials, stream, op);
+      return launch_partials_kind<NormKind::kOne>(plan, partials, stream, op);
     case NormKind::kTwo:
-      return launch_partials_kind<NormKind::kTwo>(plan, p, partials, stream, op);
-    default:
-      return launch_partials_kind<NormKind::kPow>(plan, p, partials, stream, op);
+      return launch_partials_kind<NormKind::kTwo>(plan, partials, stream, op);
   }
 }
 
