@@ -9,8 +9,9 @@ instead of one Python loop per tensor.
 * ``global_norm``: ``torch._foreach_norm`` per dtype (fp16/bf16 accumulate in
   float32, float64 in float64, everything on the CPU in float64 as the kernels do),
   then one reduction of the per-tensor norms; a general p (not 1, 2 or inf, which
-  no kernel computes), tensor by tensor in float64, scaled by the largest element
-  (``_reference.vector_norm``).
+  no kernel computes) by ``general_norm``: the elements scaled by the largest, their
+  powers taken in place on copies, the sums by the 1-norm (also where the device has
+  kernels: ``_ops`` passes their inf- and 1-norms in).
 * ``scale_``: ``torch._foreach_mul_`` by the 0-dim scale on the device (entry
   by entry, in list order, when entries share memory).
 * ``clip_by_global_norm_``: the two above; the coefficient never leaves the
@@ -27,7 +28,8 @@ instead of one Python loop per tensor.
   where ``torch._fused_sgd_`` leaves the vectorized part of such tensors
   unchanged (torch 2.13; ``tests/test_fallback.py`` checks the fused ops there).
 """
-from typing import Dict, List, Optional, Sequence
+import math
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -97,8 +99,10 @@ def _in_list_order(device: torch.device) -> bool:
 # --------------------------------------------------------------------------- norms
 
 
-def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """As ``_reference.global_norm``: ``torch._foreach_norm`` per dtype, one reduction."""
+def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0,
+                norm: Optional[Callable] = None) -> torch.Tensor:
+    """As ``_reference.global_norm``: ``torch._foreach_norm`` per dtype, one reduction; a
+    general p by :func:`general_norm`, with ``norm`` (default: this function)."""
     p = _reference.validate_norm_type(norm_type)
     tensors = _reference.validate_tensors(tensors, "global_norm")
     if not tensors:
@@ -110,9 +114,8 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
         return torch.zeros((), dtype=dtype, device=device)
     acc = _reference.accumulate_dtype(device, dtype, p)
     with torch.no_grad():
-        if p not in _reference.KERNEL_NORMS:  # scaled, tensor by tensor (see vector_norm)
-            return _reference.combine_norms(
-                [_reference.vector_norm(t, p, acc) for t in nonempty], p).to(dtype)
+        if p not in _reference.KERNEL_NORMS:
+            return general_norm(nonempty, p, norm or global_norm).to(dtype)
         parts = []
         for group_dtype, idx in _by_dtype(nonempty).items():
             group_acc = torch.float64 if group_dtype == torch.float64 else acc
@@ -121,6 +124,55 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
         stacked = parts[0] if len(parts) == 1 else torch.cat(parts)
         total = stacked.amax() if p == float("inf") else torch.linalg.vector_norm(stacked, p)
     return total.to(dtype)
+
+
+#: elements copied at a time by a general-p norm (16 MiB of float32 copies)
+_GENERAL_BATCH = 1 << 22
+#: the least ``p log y`` whose power counts: ``e^-80`` is below float32's smallest normal
+#: number, so no power becomes a slow subnormal; each element adds at most ``e^-80`` (next to
+#: the largest element's power, 1: below any rounding until 10^27 elements)
+_LEAST_LOG_POWER = -80.0
+
+
+def general_norm(tensors: Sequence[torch.Tensor], p: float, norm: Callable) -> torch.Tensor:
+    """The norm of a general ``p`` (not 1, 2 or inf) of non-empty ``tensors`` on one device
+    (0-dim, float64), as ``_reference.vector_norm`` takes it for one tensor: every element
+    divided by the largest magnitude ``m`` of all before its power is taken, the sum rooted
+    and multiplied by ``m``. ``norm(list, q)`` gives the inf-norm (``m``) and the 1-norms (the
+    sums of the powers): the compiled op where the device has it, else :func:`global_norm`.
+    Multi-tensor ops in place on copies of at most ``_GENERAL_BATCH`` elements; the powers
+    as ``exp(p log y)`` (vectorized; its relative error, ~``p |log y| eps``, is largest on the
+    terms that count least), in float32 unless some tensor is float64."""
+    m = norm(tensors, math.inf).to(torch.float64)
+    usable = torch.isfinite(m) & (m > 0)
+    scale = torch.where(usable, m, torch.ones_like(m))
+    # float64 when the result is (any float64 input), else float32: scaled, the powers stay
+    # in range
+    work = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    sums = []
+    for batch in _batches(tensors, _GENERAL_BATCH):
+        y = [t.abs() if t.dtype == work else t.to(work).abs_() for t in batch]  # the copies
+        torch._foreach_div_(y, [scale.to(work)] * len(y))  # (m is exact in every dtype)
+        torch._foreach_log_(y)
+        torch._foreach_mul_(y, p)
+        torch._foreach_clamp_min_(y, _LEAST_LOG_POWER)
+        torch._foreach_exp_(y)
+        sums.append(norm(y, 1.0).to(torch.float64))
+    total = scale * torch.stack(sums).sum().pow(1.0 / p)
+    return torch.where(usable, total, m)  # 0, inf or NaN: m itself
+
+
+def _batches(tensors: Sequence[torch.Tensor], size: int):
+    """Consecutive runs of ``tensors`` of at most ``size`` elements (a larger tensor alone)."""
+    run, count = [], 0
+    for t in tensors:
+        if run and count + t.numel() > size:
+            yield run
+            run, count = [], 0
+        run.append(t)
+        count += t.numel()
+    if run:
+        yield run
 
 
 def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
@@ -146,8 +198,9 @@ def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
 
 
 def clip_by_global_norm_(grads: Sequence[torch.Tensor], max_norm: float,
-                         norm_type: float = 2.0) -> torch.Tensor:
-    """As ``_reference.clip_by_global_norm_``, on the multi-tensor ops above."""
+                         norm_type: float = 2.0, norm: Optional[Callable] = None) -> torch.Tensor:
+    """As ``_reference.clip_by_global_norm_``, on the multi-tensor ops above (``norm``: as
+    :func:`global_norm` takes it)."""
     p = _reference.validate_norm_type(norm_type)
     max_norm = _reference.validate_max_norm(max_norm)
     grads = _reference.validate_tensors(grads, "clip_by_global_norm_")
@@ -155,9 +208,9 @@ def clip_by_global_norm_(grads: Sequence[torch.Tensor], max_norm: float,
         return torch.tensor(0.0)
     _reference.validate_writable(grads, "clip_by_global_norm_")
     with torch.no_grad():
-        norm = global_norm(grads, p)
-        scale_(grads, _reference.clip_coefficient(norm, max_norm))
-    return norm.to(_reference.clip_result_dtype(grads))
+        total = global_norm(grads, p, norm)
+        scale_(grads, _reference.clip_coefficient(total, max_norm))
+    return total.to(_reference.clip_result_dtype(grads))
 
 
 # --------------------------------------------------------------------------- optimizer steps

@@ -41,7 +41,7 @@ import functools
 import os
 import threading
 import warnings
-from typing import Callable, Dict, Iterator, List, NamedTuple, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -232,17 +232,21 @@ def run_eagerly(fn):
     return call
 
 
-def _impl(name: str, device: torch.device, tensors: Sequence[torch.Tensor], kernel: bool = True):
+def _impl(name: str, device: torch.device, tensors: Sequence[torch.Tensor],
+          p: Optional[float] = None):
     """The implementation of op ``name`` for ``tensors`` (all on ``device``): the
     reference when it is active, an autograd graph is needed or the tensors are
-    ``meta``; else the compiled op when the device type has its kernel (and ``kernel``:
-    False for a norm type no kernel computes); else the fallback (warning once per device
-    when the compiled backend is active and the device lacks the kernel)."""
+    ``meta``; for a norm type ``p`` no kernel computes (a general p), the fallback's, around
+    the 1- and inf-norms of this function's choice; else the compiled op when the device
+    type has its kernel; else the fallback (warning once per device when the compiled
+    backend is active)."""
     if _backend == "reference" or device.type == "meta" or _needs_autograd(tensors):
         return getattr(_reference, name)
-    if kernel and _has_kernel(name, device.type):
+    if p is not None and not _kernel_norm(p):
+        return functools.partial(getattr(_fallback, name), norm=_impl("global_norm", device, tensors))
+    if _has_kernel(name, device.type):
         return getattr(torch.ops.torchstruct, name)
-    if kernel and _backend == "compiled":
+    if _backend == "compiled":
         _warn_fallback(device)
     if name in _EAGER_FALLBACK and _is_compiling():
         return _EAGER_FALLBACK[name]
@@ -292,24 +296,24 @@ def _per_device(
     tensors: List[torch.Tensor],
     args: tuple,
     validate: Callable[[List[torch.Tensor]], List[torch.Tensor]],
-    kernel: bool = True,
+    p: Optional[float] = None,
 ) -> List[torch.Tensor]:
     """Run op ``name`` as ``op(part, *args)`` for each device's part of the
     non-empty list ``tensors``; the results in order of first appearance.
 
     The checked path, after the fast path (``_try_compiled``) refused: ``validate``
-    (raises clear errors), then one call per device through ``_impl`` (``kernel``: as
-    there). The compiled kernels check every input before they write anything, so a
+    (raises clear errors), then one call per device through ``_impl`` (``p``: the norm
+    type of a norm op). The compiled kernels check every input before they write anything, so a
     refused call has no effect.
     """
     tensors = validate(tensors)
     groups = _group_by_device(tensors)
-    return [_impl(name, device, part, kernel)(part, *args) for device, part in groups.items()]
+    return [_impl(name, device, part, p)(part, *args) for device, part in groups.items()]
 
 
 def _kernel_norm(p: float) -> bool:
     """Whether the kernels compute norm type ``p`` (1, 2 or inf); a general p runs on
-    PyTorch's ops, scaled (``_reference.vector_norm``)."""
+    PyTorch's ops, scaled (``_fallback.general_norm``)."""
     return p in _reference.KERNEL_NORMS
 
 
@@ -371,14 +375,12 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
     tensors = list(tensors) if not isinstance(tensors, torch.Tensor) else [tensors]
     if not tensors:
         return torch.tensor(0.0)
-    kernel = _kernel_norm(p)
-    out = _try_compiled("global_norm", tensors, (p,)) if kernel else _REFUSED
+    out = _try_compiled("global_norm", tensors, (p,)) if _kernel_norm(p) else _REFUSED
     if out is not _REFUSED:
         return out
     if _dtensor.any_dtensor(tensors):
         return _dtensor.global_norm(tensors, p, lambda part: global_norm(part, p))
-    norms = _per_device("global_norm", tensors, (p,), _validate_float_tensors("global_norm"),
-                        kernel)
+    norms = _per_device("global_norm", tensors, (p,), _validate_float_tensors("global_norm"), p)
     if len(norms) == 1:
         return norms[0]
     return _reference.combine_norms(norms, p, tensors[0].device)
@@ -478,8 +480,7 @@ def clip_by_global_norm_(
     grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
     if not grads:
         return torch.tensor(0.0)
-    kernel = _kernel_norm(p)
-    if not error_if_nonfinite and kernel:
+    if not error_if_nonfinite and _kernel_norm(p):
         out = _try_compiled("clip_by_global_norm_", grads, (max_norm, p))
         if out is not _REFUSED:
             return out
@@ -489,11 +490,10 @@ def clip_by_global_norm_(
     groups = _group_by_device(local_grads)
     if len(groups) == 1 and not error_if_nonfinite and not sharded:
         device = local_grads[0].device
-        return _impl("clip_by_global_norm_", device, local_grads, kernel)(
-            local_grads, max_norm, p)
+        return _impl("clip_by_global_norm_", device, local_grads, p)(local_grads, max_norm, p)
     # Resolve every kernel first: an unsupported device raises before any write.
     plans = [
-        (_impl("global_norm", device, part, kernel), _impl("scale_", device, part), device, part)
+        (_impl("global_norm", device, part, p), _impl("scale_", device, part), device, part)
         for device, part in groups.items()
     ]
     if sharded:
