@@ -711,7 +711,10 @@ _WAS_TRAINING = "_torchstruct_was_training"  # a held layer's saved mode while f
 # ``eval()`` writes (nor the ``True`` of ``train()``), so a mode the user sets while the forward
 # runs is told apart from ours by identity, and kept.
 _HELD_OFF = 0
-_MODE_LOCK = threading.Lock()  # around a layer's saved mode: read, counted and written at once
+# around a layer's saved mode: read, counted and written at once. Re-entrant: a garbage
+# collection inside the locked region may end a hold (a weakref callback), which puts back
+# a mode under it
+_MODE_LOCK = threading.RLock()
 
 
 @dataclass(eq=False)
