@@ -100,3 +100,17 @@ def holders(grads):
         w.grad = g.clone()
         out.append(w)
     return out
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output head (``head.weight is embed.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.body(self.embed(x)))

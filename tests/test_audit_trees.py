@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import torchstruct as ts
+from _models import TiedLM
 
 T = ts.tree
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -390,15 +391,6 @@ def test_flatten_refuses_a_sparse_leaf_naming_it():
 
 
 # ----------------------------------------------------------------------------- tied parameters
-class TiedLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.body = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 10, bias=False)
-        self.head.weight = self.embed.weight
-
-
 class Shared(nn.Module):
     """One submodule at two paths, one parameter tied across modules."""
 

@@ -128,38 +128,60 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0,
 
 #: elements copied at a time by a general-p norm (16 MiB of float32 copies)
 _GENERAL_BATCH = 1 << 22
-#: the least ``p log y`` whose power counts: ``e^-80`` is below float32's smallest normal
-#: number, so no power becomes a slow subnormal; each element adds at most ``e^-80`` (next to
+#: the least ``p log y`` whose power counts: ``e^-80`` is above float32's smallest normal
+#: number (1.2e-38), so no power becomes a slow subnormal; each element adds at most ``e^-80`` (next to
 #: the largest element's power, 1: below any rounding until 10^27 elements)
 _LEAST_LOG_POWER = -80.0
+#: the largest p taken as is by a general-p norm (beyond, float32 would hold it as inf):
+#: ``n^(1/p)`` is 1 in float64 for any count of elements
+_LARGEST_P = 1e20
 
 
 def general_norm(tensors: Sequence[torch.Tensor], p: float, norm: Callable) -> torch.Tensor:
     """The norm of a general ``p`` (not 1, 2 or inf) of non-empty ``tensors`` on one device
-    (0-dim, float64), as ``_reference.vector_norm`` takes it for one tensor: every element
-    divided by the largest magnitude ``m`` of all before its power is taken, the sum rooted
-    and multiplied by ``m``. ``norm(list, q)`` gives the inf-norm (``m``) and the 1-norms (the
-    sums of the powers): the compiled op where the device has it, else :func:`global_norm`.
-    Multi-tensor ops in place on copies of at most ``_GENERAL_BATCH`` elements; the powers
-    as ``exp(p log y)`` (vectorized; its relative error, ~``p |log y| eps``, is largest on the
-    terms that count least), in float32 unless some tensor is float64."""
+    (0-dim, float64), as ``_reference.vector_norm`` takes it for one tensor. ``norm(list, q)``
+    gives the inf-norm and the 1-norms (the sums of the powers): the compiled op where the
+    device has it, else :func:`global_norm`. Multi-tensor ops in place on copies of at most
+    ``_GENERAL_BATCH`` elements.
+
+    p > 1: every element divided by the largest magnitude ``m`` of all before its power is
+    taken, the sum rooted and multiplied by ``m``; the powers as ``exp(p log y)`` (vectorized;
+    its relative error, ~``p |log y| eps``, is largest on the terms that count least), in
+    float32 unless some tensor is float64; a p beyond ``_LARGEST_P`` is taken as that (the
+    norm differs by a factor ``n^(1/p)``, 1 in float64). p < 1: ``|x|^p`` lies between
+    ``|x|`` and 1, in range without scaling (a scaled small element could underflow while its
+    power counts); in float64, whose precision the root's ``1/p`` needs."""
+    if p < 1.0:
+        sums = [norm(_abs_copies(batch, torch.float64, lambda y: torch._foreach_pow_(y, p)), 1.0)
+                for batch in _batches(tensors, _GENERAL_BATCH)]
+        return torch.stack(sums).sum().pow(1.0 / p)
     m = norm(tensors, math.inf).to(torch.float64)
     usable = torch.isfinite(m) & (m > 0)
     scale = torch.where(usable, m, torch.ones_like(m))
     # float64 when the result is (any float64 input), else float32: scaled, the powers stay
     # in range
     work = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    sums = []
-    for batch in _batches(tensors, _GENERAL_BATCH):
-        y = [t.abs() if t.dtype == work else t.to(work).abs_() for t in batch]  # the copies
+    q = min(p, _LARGEST_P)
+
+    def powers(y):
         torch._foreach_div_(y, [scale.to(work)] * len(y))  # (m is exact in every dtype)
         torch._foreach_log_(y)
-        torch._foreach_mul_(y, p)
+        torch._foreach_mul_(y, q)
         torch._foreach_clamp_min_(y, _LEAST_LOG_POWER)
         torch._foreach_exp_(y)
-        sums.append(norm(y, 1.0).to(torch.float64))
-    total = scale * torch.stack(sums).sum().pow(1.0 / p)
+
+    sums = [norm(_abs_copies(batch, work, powers), 1.0).to(torch.float64)
+            for batch in _batches(tensors, _GENERAL_BATCH)]
+    total = scale * torch.stack(sums).sum().pow(1.0 / q)
     return torch.where(usable, total, m)  # 0, inf or NaN: m itself
+
+
+def _abs_copies(batch: Sequence[torch.Tensor], dtype: torch.dtype, fn: Callable) -> list:
+    """``|t|`` of each tensor of ``batch`` as a new tensor of ``dtype``, ``fn`` applied to the
+    list (in place)."""
+    y = [t.abs() if t.dtype == dtype else t.to(dtype).abs_() for t in batch]
+    fn(y)
+    return y
 
 
 def _batches(tensors: Sequence[torch.Tensor], size: int):

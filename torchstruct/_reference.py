@@ -96,13 +96,14 @@ KERNEL_NORMS = (1.0, 2.0, math.inf)  # the norm types the compiled kernels compu
 
 def vector_norm(t: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
     """``torch.linalg.vector_norm(t, p, dtype=dtype)``, exact for a general p (not in
-    :data:`KERNEL_NORMS`) wherever the norm itself is representable: the elements are divided
-    by the largest magnitude ``m`` before their powers are taken, and the result multiplied
-    by it (``m * ||t / m||_p``), so ``|x|^p`` neither overflows (``100^200``) nor underflows
-    (``0.001^120``) even where the norm is an ordinary number. ``m`` is a constant for
+    :data:`KERNEL_NORMS`) wherever the norm itself is representable: for p > 1 the elements
+    are divided by the largest magnitude ``m`` before their powers are taken, and the result
+    multiplied by it (``m * ||t / m||_p``), so ``|x|^p`` neither overflows (``100^200``) nor
+    underflows (``0.001^120``) even where the norm is an ordinary number (for p < 1, ``|x|^p``
+    lies between ``|x|`` and 1: unscaled). ``m`` is a constant for
     autograd (the norm is homogeneous: the gradient is the same). inf anywhere gives inf,
     NaN anywhere NaN. Never reads a value on the host."""
-    if p in KERNEL_NORMS:
+    if p in KERNEL_NORMS or p < 1.0:  # p < 1: |x|^p lies between |x| and 1, in range
         return torch.linalg.vector_norm(t, p, dtype=dtype)
     x = t.to(dtype)
     m = x.detach().abs().amax()
