@@ -617,8 +617,6 @@ def test_optimizer_max_grad_norm_general_p(backend, opt, p, big, dtype):
             r.grad = g.double().mul(max_norm / (exact + 1e-6)).to(dtype)
         theirs.step()
     rtol = 1e-10 if dtype == torch.float64 else 1e-5
-    if dtype == torch.float64 and backend == "fallback":
-        rtol = 1e-6  # its fused ops get the coefficient in float32 (see the xfail below)
     assert_norm(ours.last_grad_norm, exact, dtype, 1e-12 if dtype == torch.float64 else 2e-5)
     for q, r in zip(ps, ref):
         torch.testing.assert_close(q, r, rtol=rtol, atol=1e-7 if dtype == torch.float32 else 1e-14)
@@ -970,14 +968,7 @@ def test_huge_p_on_float32_is_the_largest_magnitude(name):
     assert not w.grad.isnan().any(), w.grad
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: optimizer max_grad_norm with a GradScaler grad_scale computes the norm of the SCALED "
-    "gradients in the result dtype and only then divides by the scale: float32 grads of 1e37 "
-    "(scale 65536, 100 elements, p=0.5) have a scaled norm of 1e41 -> inf in float32, so "
-    "last_grad_norm is inf and the step silently uses clip coefficient 0 (no update), although "
-    "the unscaled norm 1.5e36 is representable; torch's unscale_ + clip_grad_norm_ + step "
-    "updates the parameters; expected the exact unscaled norm and a clipped step"))
-def test_bug_grad_scale_overflow_of_the_scaled_norm(backend):
+def test_grad_scale_does_not_overflow_the_scaled_norm(backend):
     n = 100
     w = nn.Parameter(torch.zeros(n))
     w.grad = torch.full((n,), 1e37)
@@ -991,14 +982,8 @@ def test_bug_grad_scale_overflow_of_the_scaled_norm(backend):
     torch.testing.assert_close(w.detach(), torch.full((n,), want), rtol=1e-4, atol=0.0)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG (not specific to a general p: p=2 too): on the fallback backend (PyTorch's fused ops, "
-    "what a device without compiled kernels runs) the optimizers' clip coefficient reaches "
-    "torch._fused_sgd_ as a float32 grad_scale (_fallback._fused_scalars), so float64 "
-    "parameters are updated with a coefficient rounded to float32: a relative error of ~2e-7 "
-    "in a float64 step (compiled and reference: exact); expected float64 precision"))
 @pytest.mark.parametrize("p", [2.0, 3.0])
-def test_bug_fallback_float64_clip_coefficient_rounded_to_float32(p):
+def test_fallback_float64_clip_coefficient_in_float64(p):
     g = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
     n = exact_norm([g], p)
     want = 1.0 - g / (n + 1e-6)

@@ -21,7 +21,8 @@ instead of one Python loop per tensor.
   divide the gradients by ``grad_scale`` and write them back, so whenever a
   grad scale or a clip coefficient applies they get copies of the gradients
   (the optimizers never rewrite gradients), with ``grad_scale / clip_coef`` as
-  their scale; they skip a step only when ``found_inf == 1``, so they get
+  their scale (float32 and float64 parameters with a clip coefficient: copies
+  unscaled and clipped beforehand, in their dtype); they skip a step only when ``found_inf == 1``, so they get
   ``float(found_inf != 0)``. Masked parameters: the fused update runs on them
   too, and their masked-out elements (parameter and state) are then put back
   from copies taken before, bitwise. Not used for float16/bfloat16 on the CPU,
@@ -274,9 +275,24 @@ def _bump_versions(*lists: Sequence[torch.Tensor]) -> None:
             torch.autograd.graph.increment_version(t)
 
 
-def _grads_for_fused(grads, scale):
-    # the fused ops write the unscaled gradients back: give them copies then
-    return grads if scale is None else [g.clone() for g in grads]
+def _grads_for_fused(grads, dtype, scale, clip_coef, grad_scale):
+    """``(gradients, grad_scale)`` to give a fused op updating parameters of ``dtype``. For
+    float32/float64 ones with a clip coefficient: copies unscaled and clipped in that dtype as
+    ``_reference`` computes them (times float32(1/grad_scale), times the coefficient), and no
+    grad_scale: the fused ops take one float32 divisor, which cannot hold ``grad_scale /
+    coef`` when the coefficient is tiny (inf: no update at all) and rounds a float64
+    coefficient. Otherwise the gradients (copies when the op is to unscale them: it writes
+    them back) and ``scale`` (see :func:`_fused_scalars`)."""
+    if clip_coef is None or dtype not in (torch.float32, torch.float64):
+        return (grads if scale is None else [g.clone() for g in grads]), scale
+    device = grads[0].device
+    coef = clip_coef.reshape(()).to(device=device, dtype=dtype)
+    if grad_scale is None:
+        return torch._foreach_mul(grads, coef), None
+    inv = grad_scale.reshape(()).double().reciprocal().float().to(device=device, dtype=dtype)
+    out = torch._foreach_mul(grads, inv)
+    torch._foreach_mul_(out, coef)
+    return out, None
 
 
 def sgd_step_(params, grads, momentum_buffers, masks, lr, momentum, dampening, weight_decay,
@@ -301,11 +317,12 @@ def sgd_step_(params, grads, momentum_buffers, masks, lr, momentum, dampening, w
                                      clip_coef, grad_scale, found_inf)
                 continue
             restore = _keep_masked_out(part_masks, ps, *([bufs] if bufs else []))
+            gs, divisor = _grads_for_fused([grads[i] for i in idx], dtype, scale, clip_coef,
+                                           grad_scale)
             torch._fused_sgd_(
-                ps, _grads_for_fused([grads[i] for i in idx], scale), bufs,
-                weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=dampening,
-                nesterov=nesterov, maximize=maximize, is_first_step=bool(first_step and bufs),
-                grad_scale=scale, found_inf=skip)
+                ps, gs, bufs, weight_decay=weight_decay, momentum=momentum, lr=lr,
+                dampening=dampening, nesterov=nesterov, maximize=maximize,
+                is_first_step=bool(first_step and bufs), grad_scale=divisor, found_inf=skip)
             _bump_versions(ps, bufs)
             restore()
 
@@ -338,9 +355,11 @@ def adamw_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, ma
                                        *([vmaxs] if amsgrad else []))
             # the fused op reads the advanced count; a skipped step does not advance it
             torch._foreach_add_(part_steps, 1.0 if skip is None else 1.0 - skip)
+            gs, divisor = _grads_for_fused([grads[i] for i in idx], dtype, scale, clip_coef,
+                                           grad_scale)
             torch._fused_adamw_(
-                ps, _grads_for_fused([grads[i] for i in idx], scale), ms, vs, vmaxs, part_steps,
-                lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
-                amsgrad=amsgrad, maximize=maximize, grad_scale=scale, found_inf=skip)
+                ps, gs, ms, vs, vmaxs, part_steps, lr=lr, beta1=beta1, beta2=beta2,
+                weight_decay=weight_decay, eps=eps, amsgrad=amsgrad, maximize=maximize,
+                grad_scale=divisor, found_inf=skip)
             _bump_versions(ps, ms, vs, vmaxs)
             restore()

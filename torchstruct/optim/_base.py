@@ -48,7 +48,7 @@ import torch
 
 from .. import _dtensor, _ops, _state
 from .._reference import (FLOAT_DTYPES, _is_non_overlapping_and_dense, _place, validate_max_norm,
-                          validate_norm_type)
+                          result_dtype, validate_norm_type)
 from ..select import _closest
 
 __all__ = ["MaskedOptimizer"]
@@ -657,10 +657,14 @@ class MaskedOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None:
             every = [g for part in grads for g in part]
             if every:
-                total = _ops.global_norm(every, self.norm_type)
-                if grad_scale is not None:  # the norm of the unscaled gradients
+                if grad_scale is None:
+                    total = _ops.global_norm(every, self.norm_type)
+                else:  # the norm of the unscaled gradients: the scaled one taken in float64
+                    # (an empty float64 entry), as it may not fit the gradients' dtype
+                    wide = every + [torch.empty(0, dtype=torch.float64, device=every[0].device)]
+                    total = _ops.global_norm(wide, self.norm_type)
                     inv = grad_scale.double().reciprocal().float().to(total.device)
-                    total = total * inv
+                    total = (total * inv.double()).to(result_dtype(every))
                 clip_coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
             else:
                 total = torch.zeros(())
