@@ -764,12 +764,12 @@ def _mode_before(module: nn.Module, saved) -> bool:
 
 
 def _running(call: tuple, me: int, here) -> bool:
-    """Whether held forward ``call`` has not ended: another thread's while that thread lives;
-    this thread's while the frame that called its hooks is on the stack (a KeyboardInterrupt
-    ends a forward without its ``always_call`` hook)."""
+    """Whether held forward ``call`` has not ended: while the frame that called its hooks is on
+    its thread's stack (a KeyboardInterrupt, or another BaseException, ends a forward without
+    its ``always_call`` hook; a thread gone has no stack)."""
     who, frame = call
-    if who != me:
-        return who in sys._current_frames()
+    if who != me:  # that thread's stack now (frames it leaves meanwhile keep their f_back)
+        here = sys._current_frames().get(who)
     while here is not None and here is not frame:
         here = here.f_back
     return here is not None
@@ -1011,4 +1011,5 @@ def detach_hooks(model: nn.Module) -> nn.Module:
                 for key in [k for k, h in hooks.items() if h in _OURS]:
                     del hooks[key]
                     mod._forward_hooks_always_called.pop(key, None)
+            _release_mode(mod)  # a mode an interrupted held forward left (on a copy too): back
     return model
