@@ -11,6 +11,8 @@ from torch import nn
 
 from torchstruct import tree as T
 
+import _models
+
 # ---------------------------------------------------------------------------
 # Strategies
 # ---------------------------------------------------------------------------
@@ -255,13 +257,11 @@ def test_flatten_meta_device_alone_is_fine():
     assert T.unflatten(vec, spec)["a"].shape == (2, 3)
 
 
-class TiedLM(nn.Module):
+class TiedLM(_models.TiedLM):
+    """With a buffer (trees hold parameters only)."""
+
     def __init__(self):
         super().__init__()
-        self.embed = nn.Embedding(10, 4)
-        self.body = nn.Linear(4, 4)
-        self.head = nn.Linear(4, 10, bias=False)
-        self.head.weight = self.embed.weight
         self.register_buffer("scale", torch.ones(1))
 
 
