@@ -764,12 +764,12 @@ def _mode_before(module: nn.Module, saved) -> bool:
 
 
 def _running(call: tuple, me: int, here) -> bool:
-    """Whether held forward ``call`` has not ended: while the frame that called its hooks is on
-    its thread's stack (a KeyboardInterrupt, or another BaseException, ends a forward without
-    its ``always_call`` hook; a thread gone has no stack)."""
+    """Whether held forward ``call`` has not ended: this thread's while the frame that called
+    its hooks is on the stack (a KeyboardInterrupt ends a forward without its ``always_call``
+    hook); another thread's while that thread lives."""
     who, frame = call
-    if who != me:  # that thread's stack now (frames it leaves meanwhile keep their f_back)
-        here = sys._current_frames().get(who)
+    if who != me:  # while that thread lives: walking another thread's running frames is unsafe
+        return who in sys._current_frames()  # (it crashed the interpreter)
     while here is not None and here is not frame:
         here = here.f_back
     return here is not None
