@@ -500,14 +500,6 @@ def test_after_the_collection_compiled_code_and_a_new_optimizer_train_the_shared
     torch._dynamo.reset()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "When the collection happens while the survivor runs under torch.func.functional_call "
-    "(not a torch.func transform, and torchstruct's lock is free), the survivor's "
-    "application sees stand-in tensors and returns without writing; after the call "
-    "ts.is_trainable(a, '1.weight') is True but shared.weight.requires_grad stays False until "
-    "a's next forward (an optimizer built from the flags in between leaves the layer out). "
-    "Expected: flags and reads agree once functional_call has returned. A documented limit "
-    "(docs/freezing.md): the survivor applies at its next forward."))
 def test_a_collection_during_functional_call_of_the_survivor_leaves_flags_and_reads_agreeing():
     shared, a, b = _a_and_b_freezing_their_shared_layer()
     box = [b]

@@ -439,13 +439,6 @@ def test_a_failing_application_of_another_model_does_not_break_a_compiled_forwar
         ts.attach(bad)  # applied: nothing pending is left for later tests
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a model trained only through torch.func.functional_call never gets its pending "
-    "application (it waits until the model's own parameters are back, and nothing applies "
-    "then): the model's change mark stays set for good, every compiled call breaks the graph and "
-    "recomputes the whole model's trainability, and the flag of a head added under a bare "
-    "freeze_except stays on while the reads say frozen. Expected: applied once the "
-    "parameters are back (flags agree with reads, the mark cleared)"))
 def test_functional_call_training_does_not_leave_an_application_pending_forever():
     m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
     ts.freeze_except(m, "1")

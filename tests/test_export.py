@@ -65,15 +65,20 @@ def test_export_inside_a_block_sees_the_blocks_flags_and_the_exit_restores_them(
     assert _flags(m) == [True, True] + [False] * 6
 
 
-def test_a_forward_under_fake_tensors_writes_no_flag_of_the_model():
+def test_a_forward_under_fake_tensors_never_takes_them_for_the_model_s_own():
+    # the fake Parameters stand in the model's places: never written, never taken for new
+    # parameters of the model; its own get the waiting change, as a plain forward under the
+    # fake mode gives it
     fake_tensor = pytest.importorskip("torch._subclasses.fake_tensor")
     m = _waiting_change().eval()
-    before = _flags(m)
+    own = list(m.parameters())
     with fake_tensor.FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fakes = {n: nn.Parameter(mode.from_tensor(p.detach()), requires_grad=True)
                  for n, p in m.named_parameters()}
         torch.func.functional_call(m, fakes, (torch.randn(3, 4),))
-    assert _flags(m) == before
+    assert all(f.requires_grad for f in fakes.values())
+    assert all(a is b for a, b in zip(own, m.parameters()))
+    assert _flags(m) == _reads(m) == [True, True] + [False] * 6
     m(torch.randn(3, 4))
     assert _flags(m) == _reads(m) == [True, True] + [False] * 6
 

@@ -558,9 +558,9 @@ except ImportError:  # pragma: no cover - a torch without fake tensors
 # torch.func.functional_call runs the forward with its tensors written straight into the
 # modules' dictionaries (no registration), and puts the parameters back the same way after it:
 # an application there would take stand-ins that are Parameters for the model's own (and let go
-# of the real ones), with nothing to apply again once they are back
-_FUNCTIONAL_CALL = frozenset(
-    f.__code__ for f in [getattr(_stateless, "_functional_call", None)] if f)
+# of the real ones). It is made before the call and once it has returned (_functional_call)
+_FUNCTIONAL_CALL_IMPL = getattr(_stateless, "_functional_call", None)
+_FUNCTIONAL_CALL = frozenset(f.__code__ for f in [_FUNCTIONAL_CALL_IMPL] if f)
 
 
 def _in_functional_call() -> bool:
@@ -572,6 +572,59 @@ def _in_functional_call() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def _functional_call(module, *args, **kwargs):
+    """``torch.nn.utils.stateless._functional_call`` (what ``torch.func.functional_call``
+    calls) between two tries at the applications waiting for ``module`` (see
+    :func:`_apply_around_call`): a change made before the call is applied before it, as a
+    forward does, and one made while it ran (a model sharing a layer collected) once the
+    model's own parameters are back. A model trained only through ``functional_call`` gets
+    its flags and is not left with a change waiting for good. Not after a call that raised
+    (the next forward applies)."""
+    _apply_around_call(module)
+    out = _FUNCTIONAL_CALL_IMPL(module, *args, **kwargs)
+    _apply_around_call(module)
+    return out
+
+
+def _apply_around_call(module) -> None:
+    """In compiled code only where ``module`` is an attached root whose tree changed (a graph
+    break then; compiled code guards on its mark anyway)."""
+    if not _is_compiling():
+        _apply_waiting(module)
+    elif getattr(module, _state.CHANGED, False):
+        _apply_waiting_eagerly(module)
+
+
+def _apply_waiting(module) -> None:
+    """Around ``functional_call(module, ...)``, while the model's own parameters are in place:
+    apply the attached models whose change waits, as their forward would: those whose root is
+    ``module`` or below it, and those with a registration waiting below their root at
+    ``module``. Not inside another ``functional_call``, a ``torch.func`` transform, a backward
+    or ``torch.export`` (the next forward or call outside them applies).
+
+    Raises:
+        Exception: an invalid declaration, as the forward raises it.
+    """
+    if not isinstance(module, nn.Module) or not any(
+            st.dirty for st in list(_state.states.values())):
+        return  # (a fast exit: a change of a container by its own methods waits for a forward)
+    if _transforming() or in_backward() or _is_exporting() or _in_functional_call():
+        return
+    with _state.LOCK:
+        waiting = [st for st in _state.live_states() if st.dirty and st.hook is not None]
+        if not waiting:
+            return
+        inside = {id(m) for m in module.modules()}
+        for st in waiting:
+            if id(st.root()) in inside or id(module) in st.below:
+                st.apply()
+
+
+_apply_waiting_eagerly = torch.compiler.disable(_apply_waiting)
+if _FUNCTIONAL_CALL_IMPL is not None:
+    _stateless._functional_call = functools.wraps(_FUNCTIONAL_CALL_IMPL)(_functional_call)
 
 
 def _pre_forward(module: nn.Module, _args) -> None:
