@@ -264,3 +264,21 @@ def test_hf_gpt2_with_a_module_added_under_functional_call():
     assert not any(p.requires_grad for p in model.transformer.h[0].parameters())
     assert all(p.requires_grad for p in model.transformer.h[1].parameters())
     assert params["transformer.h.1.attn.c_attn.weight"].grad is not None
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_an_export_tracing_the_call_leaves_the_change_to_the_next_forward(strict):
+    # docs/freezing.md "Exporting": the traced program does not read flags; an eager
+    # application would be a graph break, which strict export refuses
+    m = grown()
+    params = stand_ins(m, requires_grad=False)
+
+    class Caller(nn.Module):
+        def forward(self, x):
+            return torch.func.functional_call(m, params, (x,))
+
+    x = torch.randn(2, 3)
+    program = torch.export.export(Caller(), (x,), strict=strict)
+    assert flags(m) == [False, False, True, True, True, True]
+    torch.testing.assert_close(program.module()(x), torch.func.functional_call(m, params, (x,)))
+    assert flags(m) == reads(m) == FROZEN_HEAD

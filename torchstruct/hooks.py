@@ -590,10 +590,11 @@ def _functional_call(module, *args, **kwargs):
 
 def _apply_around_call(module) -> None:
     """In compiled code only where ``module`` is an attached root whose tree changed (a graph
-    break then; compiled code guards on its mark anyway)."""
+    break then; compiled code guards on its mark anyway), and not while ``torch.export``
+    traces."""
     if not _is_compiling():
         _apply_waiting(module)
-    elif getattr(module, _state.CHANGED, False):
+    elif getattr(module, _state.CHANGED, False) and not _is_exporting():
         _apply_waiting_eagerly(module)
 
 
