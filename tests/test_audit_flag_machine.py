@@ -21,9 +21,10 @@ edit (``module.bias = nn.Parameter(...)``, ``del`` then ``register_parameter``,
 ``torch.utils.swap_tensors``, ``load_state_dict(sd, assign=True)`` with Parameters or tensors,
 ``model.to(dtype)`` by ``.data``, by swapping and by overwriting ``_parameters``);
 ``torch.nn.utils.parametrize`` register/remove on a body Linear (``Same``, ``weight_norm``);
-forwards that must not apply (``torch.func.functional_call``, a part beside the change) and that
-must (a forward under ``checkpoint(..., use_reentrant=False)``, compared with the gradients without
-it; a forward of the module registered into, or of one between it and the root);
+forwards that must not apply (a part beside the change) and that must (a forward under
+``checkpoint(..., use_reentrant=False)``, compared with the gradients without it; a forward of
+the module registered into, or of one between it and the root; ``torch.func.functional_call`` of
+the root, on stand-ins that are never written);
 ``ts.structural_grad`` with and without ``wrt`` (flags inside the call, every flag back after it,
 the tree against ``torch.autograd.grad`` on a plain copy, normalization as outside the call);
 ``ts.stop_gradient`` and ``ts.swap`` blocks around a forward and backward (which parameters and
@@ -1092,8 +1093,9 @@ class FlagMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     @step
     def functional_forward(self, data):
-        """``torch.func.functional_call``: a forward as plain PyTorch; a waiting change waits,
-        the stand-ins are never written, the model's own parameters get no gradient."""
+        """``torch.func.functional_call``: a forward as plain PyTorch on the stand-ins, which
+        are never written; a waiting change is applied to the model's own parameters (before
+        the call, as a forward of the root does); they get no gradient."""
         form = data.draw(st.sampled_from(["Parameters", "tensors", "leaves"]), label="form")
         stand = {}
         for n, p in first_paths(self.model):
@@ -1107,7 +1109,12 @@ class FlagMachine(RuleBasedStateMachine):
         flags = {k: t.requires_grad for k, t in stand.items()}
         grads = {id(p): (None if p.grad is None else p.grad.clone()) for p in self.model.parameters()}
         objs = [p for _, p in self.model.named_parameters(remove_duplicate=False)]
-        y = torch.func.functional_call(self.model, stand, (self.batch(),))
+        if self.ref.pending:
+            self.ref.pre()
+            y = torch.func.functional_call(self.model, stand, (self.batch(),))
+            self.settle()
+        else:
+            y = torch.func.functional_call(self.model, stand, (self.batch(),))
         y.sum().backward()
         assert {k: t.requires_grad for k, t in stand.items()} == flags, "a stand-in was written"
         assert [p for _, p in self.model.named_parameters(remove_duplicate=False)] == objs

@@ -282,3 +282,39 @@ def test_an_export_tracing_the_call_leaves_the_change_to_the_next_forward(strict
     assert flags(m) == [False, False, True, True, True, True]
     torch.testing.assert_close(program.module()(x), torch.func.functional_call(m, params, (x,)))
     assert flags(m) == reads(m) == FROZEN_HEAD
+
+
+def _twin_change(m, change):
+    """One change of the tree; returns the parameters that left it."""
+    gone = []
+    if change == "append":
+        m.append(nn.Linear(1, 1))
+    elif change == "del":
+        gone = list(m[2].parameters())
+        del m[2]
+    elif change == "replace":
+        gone = list(m[0].parameters())
+        m[0] = nn.Linear(3, 3)
+    elif change == "setattr":
+        m[0].extra = nn.Linear(2, 2)
+    elif change == "parameter":
+        m[1].scale = nn.Parameter(torch.ones(1))
+    return gone
+
+
+@pytest.mark.parametrize("change", ["append", "del", "replace", "setattr", "parameter"])
+def test_the_call_applies_exactly_what_a_forward_of_the_root_applies(change):
+    def make():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1), nn.Linear(1, 1))
+        m[2].weight.requires_grad_(False)  # a starting flag the departure gives back
+        ts.mark_trainable(m, "1")
+        m(torch.randn(2, 3))
+        return m
+
+    by_forward, by_call = make(), make()
+    left = [_twin_change(m, change) for m in (by_forward, by_call)]
+    by_forward(torch.randn(2, 3))
+    torch.func.functional_call(by_call, stand_ins(by_call), (torch.randn(2, 3),))
+    assert flags(by_call) == flags(by_forward) == reads(by_call)
+    assert [p.requires_grad for p in left[1]] == [p.requires_grad for p in left[0]]

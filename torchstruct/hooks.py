@@ -601,25 +601,26 @@ def _apply_around_call(module) -> None:
 def _apply_waiting(module) -> None:
     """Around ``functional_call(module, ...)``, while the model's own parameters are in place:
     apply the attached models whose change waits, as their forward would: those whose root is
-    ``module`` or below it, and those with a registration waiting below their root at
-    ``module``. Not inside another ``functional_call``, a ``torch.func`` transform, a backward
-    or ``torch.export`` (the next forward or call outside them applies).
+    ``module`` or below it (any change of their tree), and those with a registration waiting
+    below their root at ``module``. Not inside another ``functional_call``, a ``torch.func``
+    transform, a backward or ``torch.export`` (the next forward or call outside them applies).
 
     Raises:
         Exception: an invalid declaration, as the forward raises it.
     """
-    if not isinstance(module, nn.Module) or not any(
-            st.dirty for st in list(_state.states.values())):
-        return  # (a fast exit: a change of a container by its own methods waits for a forward)
-    if _transforming() or in_backward() or _is_exporting() or _in_functional_call():
+    if not isinstance(module, nn.Module) or _transforming() or in_backward() or _is_exporting():
+        return
+    waiting = [st for st in list(_state.states.values()) if st.hook is not None and (
+        st.dirty or (st.root() is not None and st.changed(st.root())))]
+    if not waiting or _in_functional_call():
         return
     with _state.LOCK:
-        waiting = [st for st in _state.live_states() if st.dirty and st.hook is not None]
-        if not waiting:
-            return
         inside = {id(m) for m in module.modules()}
         for st in waiting:
-            if id(st.root()) in inside or id(module) in st.below:
+            root = st.root()
+            if root is None:
+                continue
+            if (id(root) in inside and st.changed(root)) or (id(module) in st.below and st.dirty):
                 st.apply()
 
 
