@@ -184,13 +184,15 @@ class State:
                         outside[id(p)] = (p, flags[id(p)])
                         flags[id(p)] = held
             if not all(isinstance(p, nn.Parameter) and not isinstance(p, _Fake)
-                       for p in idx.params):
-                # tensors standing in for parameters, put there by code the hooks do not
-                # see (functional_call they see, and skip: stateless._reparametrize_module
-                # used directly; the fake parameters of a torch.export before is_exporting):
-                # not ours to write; applied once the parameters are back (by the root's
-                # forward, or another application: the hooks below the root try once only)
+                       for p in idx.params) or (not _is_compiling() and _in_functional_call(root)):
+                # tensors standing in for parameters (a context entered inside a forward
+                # that functional_call runs; code the hooks do not see:
+                # stateless._reparametrize_module used directly, the fake parameters of a
+                # torch.export before is_exporting): not ours to write. Applied once the
+                # parameters are back (as functional_call returns, by the root's forward, or
+                # another application: the hooks below the root try once only)
                 self._drop_below()
+                _state.mark_changed(self)
                 return []
             new = [(path, p, flags[id(p)]) for path, p in idx]
             changes = [c for c in new if c[1].requires_grad is not c[2]]
@@ -563,15 +565,42 @@ _FUNCTIONAL_CALL_IMPL = getattr(_stateless, "_functional_call", None)
 _FUNCTIONAL_CALL = frozenset(f.__code__ for f in [_FUNCTIONAL_CALL_IMPL] if f)
 
 
-def _in_functional_call() -> bool:
+def _in_functional_call(root: nn.Module | None = None) -> bool:
     """Whether a ``torch.func.functional_call`` runs below this frame (walks the stack: only
-    asked when a change waits)."""
-    frame = sys._getframe(1)
+    asked when a change waits); with ``root``, one whose module shares modules with ``root``'s
+    tree (whose parameters may stand in ``root``'s places: another model called inside that
+    forward, a frozen teacher, has its own parameters in place)."""
+    return bool(_calls_running(root))
+
+
+def _calls_running(root: nn.Module | None) -> list:
+    """The modules of the ``functional_call``s running below this frame (of those that share
+    modules with ``root``'s tree, when given; ``None`` for one whose module is not known)."""
+    calls = []
+    frame = sys._getframe(2)
     while frame is not None:
         if frame.f_code in _FUNCTIONAL_CALL:
-            return True
+            called = frame.f_locals.get("module")
+            if not isinstance(called, nn.Module):
+                calls.append(None)
+            elif root is None or _overlap(root, called):
+                calls.append(called)
         frame = frame.f_back
-    return False
+    return calls
+
+
+def _wait_for_calls(calls: list) -> None:
+    """A change that waits for the running ``functional_call``s to return: their modules
+    carry the mark until then, so that compiled code around the call, which reads only the
+    called module's mark, applies it as the call returns (see :func:`_apply_around_call`)."""
+    for called in calls:
+        if called is not None:
+            called.__dict__[_state.CHANGED] = True
+
+
+def _overlap(a: nn.Module, b: nn.Module) -> bool:
+    """Whether one of two modules is in the other's tree."""
+    return any(m is b for m in a.modules()) or any(m is a for m in b.modules())
 
 
 def _functional_call(module, *args, **kwargs):
@@ -612,13 +641,13 @@ def _apply_waiting(module) -> None:
         return
     waiting = [st for st in list(_state.states.values()) if st.hook is not None and (
         st.dirty or (st.root() is not None and st.changed(st.root())))]
-    if not waiting or _in_functional_call():
-        return
     with _state.LOCK:
-        inside = {id(m) for m in module.modules()}
+        if _state.states.get(id(module)) is None:
+            module.__dict__.pop(_state.CHANGED, None)  # a mark the call carried (_wait_for_calls)
+        inside = {id(m) for m in module.modules()} if waiting else ()
         for st in waiting:
             root = st.root()
-            if root is None:
+            if root is None or _in_functional_call(root):
                 continue
             if (id(root) in inside and st.changed(root)) or (id(module) in st.below and st.dirty):
                 st.apply()
@@ -639,7 +668,7 @@ def _pre_forward(module: nn.Module, _args) -> None:
     if st is None:
         return
     if (st.changed(module) and st.root() is module and not _transforming() and not _is_exporting()
-            and not in_backward() and not _in_functional_call()):
+            and not in_backward() and not _in_functional_call(module)):
         st.apply()
 
 
@@ -652,8 +681,12 @@ def _apply_eagerly(module: nn.Module) -> None:
         st = _state.state_of(module)
         if st is None or st.hook is None:
             module.__dict__.pop(_state.CHANGED, None)
-        elif st.dirty and not in_backward() and not _in_functional_call():
-            st.apply()
+        elif st.dirty and not in_backward():
+            calls = _calls_running(module)
+            if calls:
+                _wait_for_calls(calls)
+            else:
+                st.apply()
 
 
 def _pre_forward_below(module: nn.Module, _args) -> None:
@@ -667,7 +700,11 @@ def _pre_forward_below(module: nn.Module, _args) -> None:
 
 @torch.compiler.disable
 def _apply_below(module: nn.Module) -> None:
-    if _transforming() or in_backward() or _in_functional_call():
+    if _transforming() or in_backward():
+        return
+    calls = _calls_running(module)
+    if calls:
+        _wait_for_calls(calls)
         return
     with _state.LOCK:
         for st in _state.live_states():
