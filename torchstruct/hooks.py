@@ -608,9 +608,9 @@ def _functional_call(module, *args, **kwargs):
     calls) between two tries at the applications waiting for ``module`` (see
     :func:`_apply_around_call`): a change made before the call is applied before it, as a
     forward does, and one made while it ran (a model sharing a layer collected) once the
-    model's own parameters are back. A model trained only through ``functional_call`` gets
-    its flags and is not left with a change waiting for good. Not after a call that raised
-    (the next forward applies)."""
+    model's own parameters are back (an invalid declaration raises then). A model trained
+    only through ``functional_call`` gets its flags and is not left with a change waiting
+    for good. Not after a call that raised (the next forward applies)."""
     _apply_around_call(module)
     out = _FUNCTIONAL_CALL_IMPL(module, *args, **kwargs)
     _apply_around_call(module)
@@ -618,9 +618,10 @@ def _functional_call(module, *args, **kwargs):
 
 
 def _apply_around_call(module) -> None:
-    """In compiled code only where ``module`` is an attached root whose tree changed (a graph
-    break then; compiled code guards on its mark anyway), and not while ``torch.export``
-    traces."""
+    """In compiled code only where ``module`` carries the mark of a change (an attached root
+    whose tree changed, or a module whose call met a change waiting: :func:`_wait_for_calls`;
+    a graph break then, and compiled code guards on the mark anyway), and not while
+    ``torch.export`` traces."""
     if not _is_compiling():
         _apply_waiting(module)
     elif getattr(module, _state.CHANGED, False) and not _is_exporting():
