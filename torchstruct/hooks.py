@@ -642,6 +642,8 @@ def _apply_waiting(module) -> None:
         return
     waiting = [st for st in list(_state.states.values()) if st.hook is not None and (
         st.dirty or (st.root() is not None and st.changed(st.root())))]
+    if not waiting and _state.CHANGED not in module.__dict__:
+        return
     with _state.LOCK:
         if _state.states.get(id(module)) is None:
             module.__dict__.pop(_state.CHANGED, None)  # a mark the call carried (_wait_for_calls)
