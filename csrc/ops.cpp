@@ -57,6 +57,7 @@ PyObject* common_device(PyObject* self, PyObject* tensors);  // steps.cpp
 PyObject* check_sgd_step(PyObject* self, PyObject* args);    // steps.cpp
 PyObject* check_adamw_step(PyObject* self, PyObject* args);  // steps.cpp
 PyObject* grads_of(PyObject* self, PyObject* params);         // plan.cpp
+PyObject* accumulator_hooks(PyObject* self, PyObject* tensor);  // accumulator_hooks.cpp
 }
 
 namespace {
@@ -80,6 +81,9 @@ PyMethodDef torchstruct_methods[] = {
      "the input checks of adamw_step_ alone (same arguments); writes nothing."},
     {"adamw_step_", torchstruct::adamw_step, METH_VARARGS,
      "torch.ops.torchstruct.adamw_step_ (all arguments positional), without the boxed path."},
+    {"accumulator_hooks", torchstruct::accumulator_hooks, METH_O,
+     "accumulator_hooks(tensor): (python, other) counts of the hooks on the tensor's gradient "
+     "accumulator node."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -516,12 +516,6 @@ def test_fed_leaf_that_is_another_model_s_parameter_gets_no_grad():
     assert sorted(ts.tree.to_flat_dict(g)) == ["out.bias", "out.weight"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a hook on the fed leaf's AccumulateGrad node (grad_fn.next_functions[0][0].register_hook "
-    "/ register_prehook, the mechanism DDP's reducer and other libraries use) is not seen by "
-    "_fed_leaves, which only looks at tensor hooks: the exact path's real backward calls it "
-    "(a side effect autograd.grad never has); expected RuntimeError like a tensor hook, the "
-    "hook not called"))
 @pytest.mark.parametrize("kind", ["hook", "prehook"])
 def test_fed_leaf_with_a_hook_on_its_accumulator_is_refused(kind):
     m = Fed()

@@ -138,6 +138,16 @@ def compiled_available() -> bool:
     return _C is not None
 
 
+def accumulator_hooks(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
+    """The hooks on ``tensor``'s gradient accumulator node (``register_hook`` /
+    ``register_prehook`` on it, which no Python API lists), as ``(python, other)`` counts:
+    those registered from Python, those added in C++ (DDP's reducer). ``(0, 0)`` for a tensor
+    without an accumulator; None without the compiled extension, which reads them."""
+    if _C is None:
+        return None
+    return _C.accumulator_hooks(tensor)
+
+
 def compiled_device_types() -> Tuple[str, ...]:
     """Device types with compiled kernels: ``()``, ``("cpu",)`` or ``("cpu", "cuda")``."""
     if _C is None:

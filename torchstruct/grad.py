@@ -40,8 +40,10 @@ Rules shared by all three:
 """
 from __future__ import annotations
 
+import functools
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -50,7 +52,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
 
-from . import _dtensor, _state
+from . import _dtensor, _ops, _state
 from . import tree as _tree
 from ._checks import check_bool, refuse_no_grad_dtype
 from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, records_nothing
@@ -466,9 +468,10 @@ def _leaves(nodes: set) -> list:
     return [n.variable for n in nodes if hasattr(n, "variable")]
 
 
-def _walk(loss: torch.Tensor) -> tuple[set, list]:
-    """Every backward node reachable from ``loss``, and the reentrant checkpoints among them."""
-    seen, checkpoints, stack = set(), [], [loss.grad_fn]
+def _walk(*tensors: torch.Tensor) -> tuple[set, list]:
+    """Every backward node reachable from ``tensors``, and the reentrant checkpoints among
+    them."""
+    seen, checkpoints, stack = set(), [], [t.grad_fn for t in tensors]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -497,9 +500,8 @@ def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list,
     A reentrant checkpoint's backward refuses ``torch.autograd.grad`` and a ``backward`` with
     ``inputs``, and accumulates into ``.grad`` from an inner backward. So: exactly the asked
     parameters of the model require grad (the recomputation records nothing for the others),
-    every other leaf the loss visibly reaches and every parameter of a module the checkpointed
-    functions are bound to stop requiring grad (nothing accumulates into them), the asked
-    ``.grad`` fields start empty; afterwards every ``.grad`` and flag is put back.
+    and :class:`_Exact` keeps the backward from touching any other leaf; afterwards every
+    ``.grad`` and flag is put back.
     """
     if create_graph:
         raise RuntimeError(
@@ -510,63 +512,6 @@ def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list,
             "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': "
             "False}))"
         )
-    _check_no_backward_side_effects(model, asked, nodes)
-    ids = {id(p) for _, p in asked}
-    fed = _fed_leaves(model, checkpoints)
-    others = _leaves(nodes)
-    for node in checkpoints:
-        for m in modules_behind(getattr(node, "run_function", None)):
-            others.extend(m.parameters())
-    with _only(model, asked):
-        off = list({id(t): t for t in others
-                    if id(t) not in ids and id(t) not in fed and t.requires_grad}.values())
-        saved = [(p, p.grad) for _, p in asked] + [(t, t.grad) for t in fed.values()]
-        try:
-            for t in off:
-                t.requires_grad_(False)
-            for p, _ in saved:
-                p.grad = None
-            torch.autograd.backward(loss, retain_graph=retain_graph)
-            grads = [p.grad for _, p in asked]
-        finally:
-            for p, g in saved:
-                p.grad = g
-            for t in off:
-                t.requires_grad_(True)
-    if all(g is None for g in grads):
-        raise ValueError(_unreachable(asked))
-    return grads
-
-
-def _fed_leaves(model: nn.Module, checkpoints: list) -> dict:
-    """``id -> tensor`` of the leaves outside the model that requiring grad feed a reentrant
-    checkpoint directly (an input made to require grad, HF's ``enable_input_require_grads``
-    on an embedding's output): they keep requiring grad, since the checkpoint's recomputation
-    takes its inputs' flags (switched off, a frozen function would record nothing), and get
-    their ``.grad`` back afterwards.
-
-    Raises:
-        RuntimeError: such a leaf has a gradient hook, which the backward would run.
-    """
-    params = {id(p) for p in model.parameters()}
-    fed = {}
-    for node in checkpoints:
-        for fn, _ in node.next_functions:
-            t = getattr(fn, "variable", None)
-            if t is not None and id(t) not in params and t.requires_grad:
-                if t._backward_hooks or getattr(t, "_post_accumulate_grad_hooks", None):
-                    raise RuntimeError(
-                        "structural_grad: a tensor outside the model that feeds a reentrant "
-                        "activation checkpoint has a gradient hook, and the exact path through "
-                        "the checkpoint runs a real backward, which would call it. Use "
-                        "use_reentrant=False, or remove the hook for this call"
-                    )
-                fed[id(t)] = t
-    return fed
-
-
-def _check_no_backward_side_effects(model: nn.Module, asked: Pairs, nodes: set) -> None:
-    """``backward`` runs hooks that ``autograd.grad`` never runs: refuse where they would act."""
     ddp = ddp_wrapper(model)
     if ddp is not None and ddp.static_graph:
         raise RuntimeError(
@@ -574,17 +519,132 @@ def _check_no_backward_side_effects(model: nn.Module, asked: Pairs, nodes: set) 
             "model built with static_graph=True: the exact path runs a backward whose hooks "
             "the reducer would count as a training step. Use use_reentrant=False"
         )
-    paths = {id(p): path for path, p in index(model)}
-    leaves = [p for _, p in asked] + _leaves(nodes)
-    for t in leaves:
-        if getattr(t, "_post_accumulate_grad_hooks", None):
-            where = repr(paths[id(t)]) if id(t) in paths else "a tensor outside the model"
+    if not _ops.compiled_available():
+        warnings.warn(
+            "structural_grad: without the compiled extension (torchstruct._C) the hooks on "
+            "gradient accumulator nodes cannot be read, and the real backward that reentrant "
+            "activation checkpointing needs runs any there are. Use use_reentrant=False, or "
+            "install torchstruct with its extension",
+            RuntimeWarning, stacklevel=4,
+        )
+    exact = _Exact(model, asked, ddp)
+    exact.check(_leaves(nodes) + [p for _, p in asked], ())
+    bound = [p for node in checkpoints
+             for m in modules_behind(getattr(node, "run_function", None)) for p in m.parameters()]
+    with _only(model, asked):
+        try:
+            exact.take(nodes, checkpoints, (), bound)
+            for _, p in asked:
+                p.grad = None
+            torch.autograd.backward(loss, retain_graph=retain_graph)
+            grads = [p.grad for _, p in asked]
+        finally:
+            exact.restore()
+    if all(g is None for g in grads):
+        raise ValueError(_unreachable(asked))
+    return grads
+
+
+class _Exact:
+    """What the exact path's real backward may touch: the asked parameters, whose ``.grad``
+    starts empty, and nothing else.
+
+    :meth:`take` is given a graph: every leaf it reaches that requires grad and is not asked
+    stops requiring grad (the backward then accumulates nothing into it), except a leaf that
+    feeds a reentrant checkpoint directly (an input made to require grad, HF's
+    ``enable_input_require_grads``): the checkpoint's recomputation takes its inputs' flags,
+    so it stays on and gets its ``.grad`` back afterwards. Each reentrant checkpoint's
+    function is wrapped so that its graph, recomputed in backward (out of sight until then:
+    a tensor its function closes over, another model's parameter, a nested checkpoint), is
+    taken the same way before its inner backward runs; the function's own inputs (the
+    detached copies whose ``.grad`` the checkpoint hands back) are left alone. :meth:`restore`
+    puts back flags, ``.grad`` fields and functions.
+
+    A hook the backward would run and ``autograd.grad`` would not is an error (:meth:`check`).
+    """
+
+    def __init__(self, model: nn.Module, asked: Pairs, ddp) -> None:
+        self.asked = {id(p) for _, p in asked}
+        self.paths = {id(p): path for path, p in index(model)}
+        self.synced = {id(p) for p in ddp.module.parameters()} if ddp is not None else set()
+        self.lock = threading.Lock()  # a backward may recompute on several device threads
+        self.saved = [(p, p.grad) for _, p in asked]  # (tensor, .grad to put back)
+        self.off: list = []  # leaves switched off
+        self.functions: list = []  # (checkpoint node, its function) wrapped
+
+    def check(self, leaves: list, keep) -> None:
+        """Refuse the hooks on ``leaves`` a real backward would run: a post-accumulate-grad
+        hook, a hook on the gradient accumulator node (the engine calls those even for a leaf
+        switched off; except the C++ hooks of DDP's reducer on the parameters it synchronizes,
+        which do nothing under the ``no_sync`` the DDP path runs in), a tensor hook on a leaf
+        not asked (``autograd.grad`` calls those of the asked ones too)."""
+        for t in leaves:
+            if id(t) in keep:
+                continue
+            where = repr(self.paths[id(t)]) if id(t) in self.paths else "a tensor outside the model"
+            if getattr(t, "_post_accumulate_grad_hooks", None):
+                what = "a post-accumulate-grad hook (an optimizer step in backward?)"
+            elif _accumulator_hooked(t, id(t) in self.synced):
+                what = ("a hook on its gradient accumulator node (grad_fn.next_functions[0][0]"
+                        ".register_hook / register_prehook, as FSDP and ZeRO-style gradient "
+                        "reducers install)")
+            elif t._backward_hooks and id(t) not in self.asked:
+                what = "a gradient hook"
+            else:
+                continue
             raise RuntimeError(
-                f"structural_grad: {where} has a post-accumulate-grad hook (an optimizer step "
-                "in backward?), and reentrant activation checkpointing needs a real backward "
-                "to get the gradients, which would run it. Use use_reentrant=False, or remove "
-                "the hook for this call"
+                f"structural_grad: {where} has {what}, and reentrant activation checkpointing "
+                "needs a real backward to get the gradients, which would run it. Use "
+                "use_reentrant=False, or remove the hook for this call"
             )
+
+    def take(self, nodes: set, checkpoints: list, keep, extra=()) -> None:
+        """The graph of ``nodes`` (its reentrant ``checkpoints`` among them), ``keep`` the ids
+        of the leaves left alone, ``extra`` more leaves to switch off."""
+        fed = {id(fn.variable): fn.variable for node in checkpoints
+               for fn, _ in node.next_functions if hasattr(fn, "variable")}
+        with self.lock:
+            for t in _leaves(nodes) + list(extra):
+                i = id(t)
+                if i not in self.asked and i not in keep and i not in fed and t.requires_grad:
+                    t.requires_grad_(False)
+                    self.off.append(t)
+            for i, t in fed.items():
+                if i not in self.asked and i not in keep and t.requires_grad:
+                    self.saved.append((t, t.grad))
+                    t.grad = None
+            for node in checkpoints:
+                fn = getattr(node, "run_function", None)
+                if fn is not None:
+                    self.functions.append((node, fn))
+                    node.run_function = functools.partial(self._recompute, fn)
+
+    def _recompute(self, fn, *args):
+        """A checkpoint's function, recomputed in its backward: its graph is taken before the
+        inner backward runs."""
+        out = fn(*args)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        nodes, inner = _walk(*(o for o in outs if isinstance(o, torch.Tensor)))
+        keep = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        self.check(_leaves(nodes), keep | self.asked)
+        self.take(nodes, inner, keep)
+        return out
+
+    def restore(self) -> None:
+        with self.lock:
+            for node, fn in reversed(self.functions):
+                node.run_function = fn
+            for t in self.off:
+                t.requires_grad_(True)
+            for t, g in self.saved:
+                t.grad = g
+
+
+def _accumulator_hooked(t: torch.Tensor, synced: bool) -> bool:
+    """``t``'s gradient accumulator node has a hook: one registered from Python, or, unless
+    DDP's reducer synchronizes ``t`` (its hooks are C++), any."""
+    python, other = _ops.accumulator_hooks(t) or (0, 0)
+    return bool(python or (other and not synced))
 
 
 class _DeadCheckpoints:
