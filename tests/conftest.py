@@ -59,6 +59,19 @@ def swapping():
     torch.__future__.set_swap_module_params_on_conversion(before)
 
 
+@pytest.fixture
+def group():
+    """A one-process gloo group for the test (DDP on the CPU)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with the gloo backend is not available")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def one_process_group():
     """A one-process gloo group and a one-device CPU mesh, for DTensor parameters."""

@@ -19,7 +19,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint as checkpoint
 from torch import nn
 from torch.autograd.function import once_differentiable
@@ -533,15 +532,6 @@ def test_a_compiled_grad_over_the_parameters_inside_the_block():
 
 
 # ============================================================================ 3. DDP
-@pytest.fixture
-def group():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @dataclasses.dataclass
 class DataOut:
     logits: torch.Tensor

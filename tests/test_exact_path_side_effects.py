@@ -13,7 +13,6 @@ import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint
@@ -238,15 +237,6 @@ def test_accumulator_hooks_counts_what_is_registered():
     assert ops.accumulator_hooks(t * 2) == (0, 0)  # no accumulator: not a leaf
     with pytest.raises(TypeError):
         ops.accumulator_hooks(3)
-
-
-@pytest.fixture
-def group():
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with the gloo backend is not available")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_ddp_reducer_hooks_are_allowed_a_python_one_is_not(group):
