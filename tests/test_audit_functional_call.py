@@ -561,12 +561,7 @@ def test_a_deepcopy_is_plain_pytorch_under_the_call():
     assert flags(m) == FROZEN_HEAD and flags(c) == WAITING
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a deepcopy of an attached model with a change waiting carries the 'changed' mark; "
-    "functional_call on it under torch.compile(fullgraph=True) raises Unsupported "
-    "(_apply_waiting is compiler.disable'd), though the copy is documented to behave as plain "
-    "PyTorch; expected it to compile and run as the plain model does"))
-def test_BUG_fullgraph_call_on_a_deepcopy_raises():
+def test_fullgraph_call_on_a_deepcopy_compiles():
     torch._dynamo.reset()
     c = copy.deepcopy(grown())
     x = torch.randn(2, 3)

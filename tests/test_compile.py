@@ -1,6 +1,8 @@
 """torchstruct with ``torch.compile`` (CPU, inductor): contexts around a compiled model, the
 attached model's pre-hook under ``fullgraph=True``, ``global_norm`` and ``structural_grad``."""
 import copy
+import io
+import pickle
 import importlib
 
 import pytest
@@ -440,3 +442,39 @@ def test_before_2_13_fullgraph_inside_a_block_raises_and_without_it_the_results_
     with ts.stop_gradient(m, "0"):
         loose(x).sum().backward()
     assert m[0].weight.grad is None and m[2].weight.grad is not None
+
+
+def _with_change_waiting():
+    """An attached model whose tree grew after its last application: its next forward applies
+    (the new layer is frozen then)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1))
+    ts.freeze_except(m, "1")
+    m(torch.randn(2, 3))
+    m.append(nn.Linear(1, 1))
+    return m
+
+
+def _saved_and_loaded(m):
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "pickle"])
+def test_a_copy_made_while_a_change_waits_compiles_with_fullgraph_as_plain_pytorch(how):
+    """A copy has no state of its own (it behaves as plain PyTorch until attached): it carries
+    no mark of the original's waiting change, so a fullgraph compile meets no graph break."""
+    m = _with_change_waiting()
+    waiting = [p.requires_grad for p in m.parameters()]
+    assert waiting == [False, False, True, True, True, True]
+    make = {"deepcopy": copy.deepcopy, "torch.save": _saved_and_loaded,
+            "pickle": lambda mm: pickle.loads(pickle.dumps(mm))}[how]
+    c = make(m)
+    x = torch.randn(2, 3)
+    got = torch.compile(lambda q: c(q).sum(), backend="eager", fullgraph=True)(x)
+    assert torch.equal(got, c(x).sum())
+    assert [p.requires_grad for p in c.parameters()] == waiting  # nothing applied to the copy
+    torch.compile(lambda q: m(q).sum(), backend="eager")(x)  # the original still applies
+    assert [p.requires_grad for p in m.parameters()] == [False, False, True, True, False, False]

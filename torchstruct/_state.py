@@ -458,9 +458,32 @@ def state_of(root: nn.Module):
     return st if st is not None and st.root() is root else None
 
 
-# Attribute on an attached root: True while its tree changed since its last application (a
+# Attribute on an attached root: MARKED while its tree changed since its last application (a
 # registration). Compiled code reads it, and guards on it: see torchstruct.hooks._pre_forward.
 CHANGED = "_torchstruct_changed"
+
+
+class _Mark:
+    """The value of the ``CHANGED`` attribute: true, and false in a deep copy (``deepcopy``,
+    pickling: ``torch.save`` of the module), which has no state of its own and behaves as
+    plain PyTorch, compiled with ``fullgraph=True`` too."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __deepcopy__(self, memo) -> bool:
+        return False
+
+    def __reduce__(self):
+        return (bool, ())
+
+    def __repr__(self) -> str:
+        return "MARKED"
+
+
+MARKED = _Mark()
 
 
 def mark_changed(st) -> None:
@@ -468,7 +491,7 @@ def mark_changed(st) -> None:
     st.dirty = True
     root = st.root()
     if root is not None:
-        root.__dict__[CHANGED] = True
+        root.__dict__[CHANGED] = MARKED
 
 
 def grew(st) -> None:

@@ -595,7 +595,7 @@ def _wait_for_calls(calls: list) -> None:
     called module's mark, applies it as the call returns (see :func:`_apply_around_call`)."""
     for called in calls:
         if called is not None:
-            called.__dict__[_state.CHANGED] = True
+            called.__dict__[_state.CHANGED] = _state.MARKED
 
 
 def _overlap(a: nn.Module, b: nn.Module) -> bool:
