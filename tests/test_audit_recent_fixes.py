@@ -769,3 +769,24 @@ def test_tiny_gpt2_compiled_evaluated_with_swapped_ema_weights_compiles_once():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert sum(per_call[1:]) == 0, per_call
     torch._dynamo.reset()
+
+
+def test_a_collection_during_another_model_s_functional_call_applies_the_survivor_at_once():
+    """Only a functional_call sharing modules with the survivor defers its application: one of
+    an unrelated model (a teacher called functionally) does not leave its flags stale."""
+    shared, a, b = _a_and_b_freezing_their_shared_layer()
+    teacher = nn.Linear(2, 2)
+    box = [b]
+    del b
+    seen = []
+
+    def collect(*_):
+        box.clear()
+        gc.collect()
+        seen.append((flags(a), reads(a)))
+
+    handle = teacher.register_forward_hook(collect)
+    params = {k: v.detach().clone() for k, v in teacher.named_parameters()}
+    torch.func.functional_call(teacher, params, (torch.randn(1, 2),))
+    handle.remove()
+    assert seen == [([True] * 4, [True] * 4)]  # at once, inside the teacher's call

@@ -487,13 +487,17 @@ def _apply_now_if_safe(sharing: list, backward_done: bool = False) -> None:
     (its declarations no longer hold their shared parameters), so that flags and reads agree
     right away. Only where that is safe: no thread holds the lock (a collection may start
     inside a locked region of this thread, half-way through a change) and no ``torch.func``
-    transform (which refuses flag writes) runs; otherwise their next forward applies, as it
-    would anyway. Inside a backward, at its end (flags changed half-way through it would
-    change what a checkpoint's recomputation records). Runs in a weakref callback: never
-    raises (a failing declaration, or a change a guard refuses, such as a parameter DDP does
-    not synchronize starting to train, changes no flag here and is raised at the next
-    forward)."""
-    if not sharing or _transforming() or _in_functional_call():
+    transform (which refuses flag writes) runs, and not for a model a running
+    ``functional_call`` shares modules with (its parameters may stand in there); otherwise
+    their next forward applies, as it would anyway. Inside a backward, at its end (flags
+    changed half-way through it would change what a checkpoint's recomputation records). Runs
+    in a weakref callback: never raises (a failing declaration, or a change a guard refuses,
+    such as a parameter DDP does not synchronize starting to train, changes no flag here and is
+    raised at the next forward)."""
+    if _transforming():
+        return
+    sharing = [st for st in sharing if st.root() is None or not _in_functional_call(st.root())]
+    if not sharing:
         return
     if not backward_done and in_backward():
         torch.autograd.Variable._execution_engine.queue_callback(
