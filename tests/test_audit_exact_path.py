@@ -523,11 +523,7 @@ def test_ddp_with_reentrant_checkpoint_and_closure(group, form):
 
 
 # ============================================================================ BUGS
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: an input leaf fed to a reentrant checkpoint and, from inside its function, to a "
-    "nested one is saved twice by _Exact.take (second time with .grad already None); restore "
-    "writes the saves in order, so x.grad ends None ; expected x.grad to be its old value"))
-def test_bug_input_fed_to_outer_and_nested_checkpoint_loses_its_grad():
+def test_an_input_fed_to_outer_and_nested_checkpoint_keeps_its_grad():
     torch.manual_seed(0)
     m = nn.ModuleDict(dict(a=nn.Linear(4, 4), out=nn.Linear(4, 1)))
     x = leaf(3, 4)
@@ -536,12 +532,7 @@ def test_bug_input_fed_to_outer_and_nested_checkpoint_loses_its_grad():
     assert x.grad is not None and bool((x.grad == S).all())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a closure tensor fed to nested checkpoints inside two outer reentrant checkpoints "
-    "is saved again by the second recomputation after the first inner backward accumulated "
-    "into it; restore ends on that partial gradient, so e.grad is changed ; expected e.grad "
-    "to stay the sentinel"))
-def test_bug_closure_fed_to_nested_checkpoints_in_two_outer_ones_gets_a_grad():
+def test_a_closure_fed_to_nested_checkpoints_in_two_outer_ones_keeps_its_grad():
     torch.manual_seed(0)
     m = nn.ModuleDict(dict(a=nn.Linear(4, 4), b=nn.Linear(4, 4), out=nn.Linear(4, 1)))
     e = leaf(4)

@@ -569,6 +569,7 @@ class _Exact:
         self.synced = {id(p) for p in ddp.module.parameters()} if ddp is not None else set()
         self.lock = threading.Lock()  # a backward may recompute on several device threads
         self.saved = [(p, p.grad) for _, p in asked]  # (tensor, .grad to put back)
+        self.held = {id(p) for _, p in asked}  # the ids of the tensors in saved
         self.off: list = []  # leaves switched off
         self.functions: list = []  # (checkpoint node, its function) wrapped
 
@@ -610,7 +611,9 @@ class _Exact:
                     t.requires_grad_(False)
                     self.off.append(t)
             for i, t in fed.items():
-                if i not in self.asked and i not in keep and t.requires_grad:
+                # saved once: fed again by a later recomputation, it already holds a gradient
+                if i not in self.asked and i not in keep and t.requires_grad and i not in self.held:
+                    self.held.add(i)
                     self.saved.append((t, t.grad))
                     t.grad = None
             for node in checkpoints:
