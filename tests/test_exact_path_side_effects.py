@@ -159,9 +159,16 @@ def test_a_hook_on_an_outside_tensor_is_refused_and_changes_nothing(how, kind):
     _hook(kind, hooked, calls, keep)
     flags = [t.requires_grad for t in outside]
     wrt = ["inp", "out"] if how != "fed" else "out"
-    if how == "bound":  # its parameters stop requiring grad before the backward: no hook runs
-        got = ts.structural_grad(m, lambda mm: mm(x), wrt=wrt)
-        assert sorted(got) == ["inp", "out"]
+    if how == "bound":
+        # its parameters stop requiring grad before the backward when the function is seen to
+        # be bound to it (no hook runs); where another wrapper of the function hides that, the
+        # recomputation reaches them and the hook is refused: either way, nothing runs or changes
+        try:
+            got = ts.structural_grad(m, lambda mm: mm(x), wrt=wrt)
+        except RuntimeError as e:
+            assert "outside the model has a" in str(e) and "hook" in str(e)
+        else:
+            assert sorted(got) == ["inp", "out"]
     else:
         with pytest.raises(RuntimeError, match="outside the model has a .*hook"):
             ts.structural_grad(m, lambda mm: mm(x), wrt=wrt)
