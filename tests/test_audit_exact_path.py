@@ -569,7 +569,8 @@ def test_bug_switched_off_leaf_makes_a_nested_checkpoint_record_nothing():
     assert torch.equal(got["a"]["weight"], ref["a.weight"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(
+    "(depends on what ran before in the process: silent zeros alone, right after other tests) "
     "BUG: tensor loss, wrt=['a','out']: the parameter w not asked is switched off for the "
     "backward, and the recomputation feeds it to a nested reentrant checkpoint, which then "
     "records nothing: 'a' silently gets zeros ; expected the gradient .backward() gives "
