@@ -547,12 +547,7 @@ def test_a_closure_fed_to_nested_checkpoints_in_two_outer_ones_keeps_its_grad():
     assert e.requires_grad and bool((e.grad == S).all()), e.grad
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a leaf outside the model that the graph shows (used after the checkpoint) is "
-    "switched off before the backward; the checkpoint's recomputation then feeds it to a "
-    "nested reentrant checkpoint that records nothing, and the asked 'a' silently gets zeros "
-    "; expected the gradient .backward() gives (or a clear error)"))
-def test_bug_switched_off_leaf_makes_a_nested_checkpoint_record_nothing():
+def test_switched_off_leaf_fed_to_a_nested_checkpoint_is_revived():
     torch.manual_seed(0)
     m = nn.ModuleDict(dict(inp=nn.Linear(4, 4), a=nn.Linear(4, 4), out=nn.Linear(4, 1)))
     e = leaf(4)
@@ -569,13 +564,7 @@ def test_bug_switched_off_leaf_makes_a_nested_checkpoint_record_nothing():
     assert torch.equal(got["a"]["weight"], ref["a.weight"])
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "(depends on what ran before in the process: silent zeros alone, right after other tests) "
-    "BUG: tensor loss, wrt=['a','out']: the parameter w not asked is switched off for the "
-    "backward, and the recomputation feeds it to a nested reentrant checkpoint, which then "
-    "records nothing: 'a' silently gets zeros ; expected the gradient .backward() gives "
-    "(the forward was recorded with w requiring grad)"))
-def test_bug_tensor_loss_not_asked_parameter_feeding_a_nested_checkpoint():
+def test_tensor_loss_not_asked_parameter_feeding_a_nested_checkpoint_is_revived():
     class M(nn.Module):
         def __init__(self):
             super().__init__()
@@ -593,13 +582,7 @@ def test_bug_tensor_loss_not_asked_parameter_feeding_a_nested_checkpoint():
     assert torch.equal(got["a"]["bias"], ref["a.bias"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: an asked parameter used only in a reentrant checkpoint nested in another one, whose "
-    "own inputs never require grad (it records nothing, also when recomputed), silently gets "
-    "zeros ; expected the ValueError the same checkpoint raises at top level ('none of whose "
-    "inputs requires grad'); the docs' 'judged by the outermost' assumes it records when "
-    "recomputed"))
-def test_bug_nested_checkpoint_recording_nothing_is_a_silent_zero():
+def test_nested_checkpoint_recording_nothing_is_refused():
     class M(nn.Module):
         def __init__(self, nested):
             super().__init__()

@@ -55,7 +55,8 @@ from torch.overrides import TorchFunctionMode
 from . import _dtensor, _ops, _state
 from . import tree as _tree
 from ._checks import check_bool, refuse_no_grad_dtype
-from ._checkpoints import around, is_reentrant_checkpoint, modules_behind, records_nothing
+from ._checkpoints import (around, before_apply, is_reentrant_checkpoint, modules_behind,
+                           records_nothing)
 from ._compile_caveats import flags_changed, only_inlined
 from ._reference import _place
 from .distributed import average_gradients, ddp_wrapper
@@ -557,20 +558,29 @@ class _Exact:
     function is wrapped so that its graph, recomputed in backward (out of sight until then:
     a tensor its function closes over, another model's parameter, a nested checkpoint), is
     taken the same way before its inner backward runs; the function's own inputs (the
-    detached copies whose ``.grad`` the checkpoint hands back) are left alone. :meth:`restore`
-    puts back flags, ``.grad`` fields and functions.
+    detached copies whose ``.grad`` the checkpoint hands back) are left alone; a checkpoint
+    nested in it gets back the flags of its switched-off leaf inputs (:meth:`_revive`), or is
+    refused where it records nothing. :meth:`restore` puts back flags, ``.grad`` fields and
+    functions.
 
     A hook the backward would run and ``autograd.grad`` would not is an error (:meth:`check`).
     """
 
     def __init__(self, model: nn.Module, asked: Pairs, ddp) -> None:
+        self.model, self.pairs = model, asked
         self.asked = {id(p) for _, p in asked}
-        self.paths = {id(p): path for path, p in index(model)}
+        every = index(model)
+        self.paths = {id(p): path for path, p in every}
+        # the ids of the leaves that required grad when the forward ran and are switched off
+        # here (by the caller's _only, made after this, and by take): one that feeds a
+        # checkpoint directly requires grad again (_feeding)
+        self.revivable = {id(p) for p in every.params
+                          if p.requires_grad and id(p) not in self.asked}
         self.synced = {id(p) for p in ddp.module.parameters()} if ddp is not None else set()
         self.lock = threading.Lock()  # a backward may recompute on several device threads
         self.saved = [(p, p.grad) for _, p in asked]  # (tensor, .grad to put back)
         self.held = {id(p) for _, p in asked}  # the ids of the tensors in saved
-        self.off: list = []  # leaves switched off
+        self.flags: dict = {}  # id -> (leaf, its flag before this wrote it)
         self.functions: list = []  # (checkpoint node, its function) wrapped
 
     def check(self, leaves: list, keep) -> None:
@@ -608,24 +618,61 @@ class _Exact:
             for t in _leaves(nodes) + list(extra):
                 i = id(t)
                 if i not in self.asked and i not in keep and i not in fed and t.requires_grad:
-                    t.requires_grad_(False)
-                    self.off.append(t)
-            for i, t in fed.items():
-                # saved once: fed again by a later recomputation, it already holds a gradient
-                if i not in self.asked and i not in keep and t.requires_grad and i not in self.held:
-                    self.held.add(i)
-                    self.saved.append((t, t.grad))
-                    t.grad = None
+                    self._set(t, False)
+                    self.revivable.add(i)
+            self._feeding(fed.values(), keep)
             for node in checkpoints:
                 fn = getattr(node, "run_function", None)
                 if fn is not None:
                     self.functions.append((node, fn))
                     node.run_function = functools.partial(self._recompute, fn)
 
+    def _set(self, t: torch.Tensor, flag: bool) -> None:
+        """Under the lock: ``t.requires_grad_(flag)``, its flag before the first write kept."""
+        self.flags.setdefault(id(t), (t, t.requires_grad))
+        t.requires_grad_(flag)
+
+    def _feeding(self, leaves, keep=()) -> None:
+        """Under the lock: ``leaves`` feed a reentrant checkpoint directly. Each that required
+        grad when the forward ran requires grad now (or again), its ``.grad`` saved and emptied
+        once (fed again by a later recomputation, it already holds a gradient): the
+        checkpoint's recomputation takes its inputs' flags, and a checkpoint nested there
+        would otherwise record less than in the forward, or nothing."""
+        for t in leaves:
+            i = id(t)
+            if (i in self.asked or i in keep or t.grad_fn is not None
+                    or not (t.requires_grad or i in self.revivable)):
+                continue
+            if not t.requires_grad:
+                self._set(t, True)
+            if i not in self.held:
+                self.held.add(i)
+                self.saved.append((t, t.grad))
+                t.grad = None
+
+    def _revive(self, args) -> None:
+        """A checkpoint is applied to ``args`` inside a recomputed function (before autograd
+        decides from their flags whether it records)."""
+        with self.lock:
+            self._feeding(a for a in args if isinstance(a, torch.Tensor))
+
     def _recompute(self, fn, *args):
-        """A checkpoint's function, recomputed in its backward: its graph is taken before the
-        inner backward runs."""
-        out = fn(*args)
+        """A checkpoint's function, recomputed in its backward: a checkpoint nested in it that
+        records nothing where it uses an asked parameter is an error (:class:`_DeadCheckpoints`,
+        after :meth:`_revive`), and its graph is taken before the inner backward runs."""
+        with _DeadCheckpoints(self.model, self.pairs, revive=self._revive) as watch:
+            out = fn(*args)
+        if watch.blind:
+            raise ValueError(
+                f"structural_grad: {watch.blind[0]!r} is used inside a reentrant activation "
+                "checkpoint (use_reentrant=True) nested in another one, none of whose inputs "
+                "requires grad when the outer one recomputes it in backward, so autograd records "
+                "nothing there and its gradient would be missing (.backward() misses it too, "
+                "unless an input is computed inside the outer function from a tensor this call "
+                "switched off to take only the asked gradients: a parameter not asked, or a "
+                "tensor outside the model). Use use_reentrant=False, or give the nested "
+                "checkpoint an input that requires grad"
+            )
         outs = out if isinstance(out, (tuple, list)) else (out,)
         nodes, inner = _walk(*(o for o in outs if isinstance(o, torch.Tensor)))
         keep = {id(a) for a in args if isinstance(a, torch.Tensor)}
@@ -637,8 +684,8 @@ class _Exact:
         with self.lock:
             for node, fn in reversed(self.functions):
                 node.run_function = fn
-            for t in self.off:
-                t.requires_grad_(True)
+            for t, flag in self.flags.values():
+                t.requires_grad_(flag)
             for t, g in self.saved:
                 t.grad = g
 
@@ -668,8 +715,9 @@ class _DeadCheckpoints:
     Only the watches of the thread running the checkpoint look.
     """
 
-    def __init__(self, model: nn.Module, asked: Pairs) -> None:
+    def __init__(self, model: nn.Module, asked: Pairs, revive=None) -> None:
         paths = {id(p): path for path, p in asked}
+        self.revive = revive  # given a checkpoint's inputs before it is judged (or None)
         self.paths = paths
         self.thread = threading.get_ident()
         self.walked: set = set()  # graph nodes already searched for asked parameters
@@ -685,6 +733,8 @@ class _DeadCheckpoints:
             _WATCHES.append(self)
             if len(_WATCHES) == 1:
                 _watch_on()
+            if self.revive is not None:
+                before_apply(_checkpoint_apply)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -693,6 +743,8 @@ class _DeadCheckpoints:
             if not _WATCHES:
                 _module_mod._global_forward_pre_hooks.pop(_WATCH_KEY[0], None)
                 around("dead", None)
+            if not any(w.revive is not None for w in _WATCHES):
+                before_apply(None)
 
     def seen(self, module: nn.Module) -> None:
         own = self.owners.get(id(module))
@@ -769,12 +821,21 @@ class _Uses(TorchFunctionMode):
 _NESTED = threading.local()  # depth of reentrant checkpoint forwards running in this thread
 
 
+def _checkpoint_apply(args) -> None:
+    """A reentrant checkpoint is applied to ``args``: the watches of this thread that revive
+    see them first (not for a checkpoint inside another one's forward: see below)."""
+    if not getattr(_NESTED, "depth", 0):
+        for w in _mine():
+            if w.revive is not None:
+                w.revive(args)
+
+
 def _checkpoint_forward(forward, ctx, run_function, preserve_rng_state, *args):
     """``CheckpointFunction.forward`` while a watch is on: a checkpoint none of whose tensor
     inputs requires grad, in a thread with a watch, runs under :class:`_Uses`. A checkpoint
-    inside another one's forward is judged by the outermost (its first run is discarded, and
-    the outer one's recomputation runs it again with grad: a live outer one makes it live, a
-    dead outer one is already watched)."""
+    inside another one's forward is judged by the outermost (its first run is discarded; a
+    dead outer one is watched, and a live one's recomputation runs it again, where the exact
+    path judges it: :meth:`_Exact._recompute`)."""
     depth = getattr(_NESTED, "depth", 0)
     watches = _mine() if not depth else []
     dead = watches and records_nothing(args)
