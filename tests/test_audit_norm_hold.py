@@ -1137,3 +1137,30 @@ def test_momentum_none_layer_converted_inside_the_hold_stays_held_documented():
             net(x)
         net.eval()
         net(x)  # an eval forward passes
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_a_hold_ending_while_a_forward_begins(monkeypatch, momentum):
+    """Another thread ends the hold right after a forward's hook found the layer held (the race
+    a thread entering and leaving ``ts.freeze`` while others run forwards hits): the forward
+    neither fails nor puts the ended hold back."""
+    from torchstruct import _state
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=momentum), nn.Linear(4, 2))
+    for _ in range(2):
+        net(torch.randn(8, 4))
+    real = _hooks._held
+
+    def held_then_ended(module):
+        found = real(module)
+        _state.frozen_norms.pop(id(module), None)
+        return found
+
+    with ts.freeze(net, "1"):
+        net[1].running_mean.add_(1.0)  # a write since the hold began: the count is read
+        monkeypatch.setattr(_hooks, "_held", held_then_ended)
+        net(torch.randn(8, 4))
+        assert id(net[1]) not in _state.frozen_norms
+        monkeypatch.undo()
+    assert net[1].training is True

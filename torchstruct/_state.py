@@ -375,9 +375,11 @@ def decided_outside(p, flag: bool) -> None:
         block.outside[id(p)] = flag
 
 
-# id(norm layer) -> (weakref to the layer, its momentum when the hold began, the version of its
-# running_mean then): layers whose running statistics are held now
-frozen_norms: dict[int, tuple[weakref.ref, object, int]] = {}
+# id(norm layer) -> (weakref to the layer, its momentum when the hold began, [address, version]
+# of its running_mean then): layers whose running statistics are held now. Written under LOCK;
+# a forward's hook reads an entry without it (the hold may end meanwhile) and updates only the
+# entry's own list, never the dict, so an ended hold is never put back
+frozen_norms: dict[int, tuple[weakref.ref, object, list]] = {}
 
 # Called as guard(changes, refuse) before flags are written, with the (path, parameter, new
 # flag) of every parameter whose flag would change. With refuse=True a guard raises to refuse

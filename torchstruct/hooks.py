@@ -369,7 +369,7 @@ class State:
             held = _state.frozen_norms.get(key)
             if held is None or held[0]() is not mod:  # a hold begins: what it keeps, from now
                 _state.frozen_norms[key] = (weakref.ref(mod), getattr(mod, "momentum", None),
-                                            _stats_version(mod))
+                                            list(_stats_version(mod)))
 
 
 def write_flag(p: nn.Parameter, flag: bool) -> None:
@@ -782,8 +782,10 @@ def _refuse_reset(module: nn.Module) -> None:
     ``load_state_dict(assign=True)``: the new tensor's version counter says nothing of the old
     one's) the count is read once: 0 is what a reset leaves, and raises; any other count
     (loaded or converted trained statistics) becomes the new starting point."""
-    key = id(module)
-    ref, momentum, (held, version) = _state.frozen_norms[key]
+    hit = _state.frozen_norms.get(id(module))
+    if hit is None or hit[0]() is not module:
+        return  # the hold ended (in another thread) since this forward found the layer held
+    _, momentum, (held, version) = hit
     stats = getattr(module, "running_mean", None)
     if momentum is not None or (stats is None and held is None):
         return
@@ -802,7 +804,7 @@ def _refuse_reset(module: nn.Module) -> None:
             "they would stay at their reset values. Run update_bn on an AveragedModel or a copy, "
             "outside the context that freezes the layer, or attach with freeze_norm_stats=False."
         )
-    _state.frozen_norms[key] = (ref, momentum, _stats_version(module))
+    hit[2][:] = _stats_version(module)
 
 
 _WAS_TRAINING = "_torchstruct_was_training"  # a held layer's saved mode while forwards run
