@@ -57,7 +57,8 @@ PyObject* common_device(PyObject* self, PyObject* tensors);  // steps.cpp
 PyObject* check_sgd_step(PyObject* self, PyObject* args);    // steps.cpp
 PyObject* check_adamw_step(PyObject* self, PyObject* args);  // steps.cpp
 PyObject* grads_of(PyObject* self, PyObject* params);         // plan.cpp
-PyObject* accumulator_hooks(PyObject* self, PyObject* tensor);  // accumulator_hooks.cpp
+PyObject* accumulator_hooks(PyObject* self, PyObject* tensor);  // node_hooks.cpp
+PyObject* off_path_hooks(PyObject* self, PyObject* args);       // node_hooks.cpp
 }
 
 namespace {
@@ -84,6 +85,9 @@ PyMethodDef torchstruct_methods[] = {
     {"accumulator_hooks", torchstruct::accumulator_hooks, METH_O,
      "accumulator_hooks(tensor): (python, other) counts of the hooks on the tensor's gradient "
      "accumulator node."},
+    {"off_path_hooks", torchstruct::off_path_hooks, METH_VARARGS,
+     "off_path_hooks(roots, targets): (node name, kind) of the hooked nodes a backward from "
+     "roots runs and autograd.grad(roots, targets) would not."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -602,14 +602,14 @@ def test_nested_checkpoint_recording_nothing_is_refused():
         ts.structural_grad(M(nested=True), lambda mm: mm(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: with wrt='out' the exact path's full backward fills .grad of a non-leaf tensor that "
-    "called retain_grad() on a branch leading to no asked parameter (autograd.grad leaves it "
-    "None; the docs' limit names only register_hook) ; expected h.grad to stay None"))
-def test_bug_retain_grad_of_a_non_leaf_is_written():
+def test_retain_grad_of_a_non_leaf_off_the_asked_paths_is_refused():
+    """h.retain_grad() on a branch leading to no asked parameter: autograd.grad leaves h.grad
+    None, the exact path's real backward would write it: refused, h.grad still None; on the
+    asked path it is written, as autograd.grad writes it."""
     torch.manual_seed(0)
     m = nn.ModuleDict(dict(inp=nn.Linear(4, 4), a=nn.Linear(4, 4), out=nn.Linear(4, 1)))
     x = torch.randn(3, 4)
+    grads, flags = stale(m), [p.requires_grad for p in m.parameters()]
     # without a checkpoint (autograd.grad) h.grad stays None
     h = torch.tanh(m["inp"](x))
     h.retain_grad()
@@ -617,5 +617,11 @@ def test_bug_retain_grad_of_a_non_leaf_is_written():
     assert h.grad is None
     h = torch.tanh(m["inp"](x))
     h.retain_grad()
-    ts.structural_grad(m, m["out"](ck(m["a"], h)).sum(), wrt="out")
+    with pytest.raises(RuntimeError, match=r"TanhBackward0 has retain_grad\(\)"):
+        ts.structural_grad(m, m["out"](ck(m["a"], h)).sum(), wrt="out")
     assert h.grad is None
+    assert_untouched(m, grads, flags=flags)
+    h = torch.tanh(m["inp"](x))
+    h.retain_grad()
+    ts.structural_grad(m, m["out"](ck(m["a"], h)).sum(), wrt=["inp", "out"])
+    assert h.grad is not None

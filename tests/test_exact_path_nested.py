@@ -245,3 +245,21 @@ def test_tensor_loss_parameter_not_asked_fed_to_the_outer_checkpoint():
     assert ref["a.weight"].abs().sum() > 0
     assert torch.equal(got["a"]["weight"], ref["a.weight"])
     assert_as_before(m, grads, flags)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_refusal_during_the_backward_and_the_tensor_loss_graph(retain):
+    """Refused while the backward runs: everything put back; the graph the backward went
+    through is freed as after any failed backward, unless retain_graph=True."""
+    m = Nested(lambda self, e: torch.ones(3, 4))
+    loss = m(X)
+    grads, flags = sentinels(m), [p.requires_grad for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"'a\.weight'"):
+        ts.structural_grad(m, loss, retain_graph=retain)
+    assert_as_before(m, grads, flags)
+    got = ts.structural_grad(m, loss, wrt="out", retain_graph=True) if retain else None
+    if retain:
+        assert torch.equal(got["out"]["weight"], reference(m, X)["out.weight"])
+    else:
+        with pytest.raises(RuntimeError, match="second time"):
+            ts.structural_grad(m, loss, wrt="out")

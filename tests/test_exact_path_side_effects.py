@@ -5,7 +5,8 @@ tests hold it to what ``autograd.grad`` would do: no ``.grad`` written outside t
 parameters, also into a tensor that only the checkpoint's recomputation reaches (a tensor the
 checkpointed function closes over, another model's parameter, one fed to a nested
 checkpoint); no hook run that ``autograd.grad`` would not run (a hook on a gradient accumulator
-node, a tensor hook on a leaf not asked, a post-accumulate-grad hook), refused with flags,
+node, a tensor hook on a leaf not asked, a post-accumulate-grad hook, a hook or retain_grad()
+on a non-leaf tensor off the asked paths, a module's full backward hook there), refused with flags,
 ``.grad`` fields and the graph as they were. Compared with ``.backward()`` on deep copies.
 """
 import copy
@@ -268,7 +269,7 @@ def test_without_the_compiled_extension_the_exact_path_warns(monkeypatch):
     m, x, outside = build("closure")
     monkeypatch.setattr(ops, "_C", None)
     assert ops.accumulator_hooks(m.extra[0]) is None
-    with pytest.warns(RuntimeWarning, match="hooks on gradient accumulator nodes cannot be read"):
+    with pytest.warns(RuntimeWarning, match="hooks on gradient accumulator nodes, and those on branches"):
         got = ts.structural_grad(m, lambda mm: mm(x), wrt=["inp", "out"])
     assert sorted(got) == ["inp", "out"]
     untouched(m, outside)
@@ -278,10 +279,10 @@ def test_without_the_compiled_extension_the_exact_path_warns(monkeypatch):
         ts.structural_grad(plain, lambda mm: mm(torch.randn(3, 2)).sum())
 
 
-def test_limit_a_hook_on_a_non_leaf_of_a_branch_to_no_asked_parameter_runs():
-    """Documented limit (docs/structural.md): a non-leaf tensor's hook is not visible from the
-    graph; on a branch that leads to no asked parameter the real backward runs it, which
-    autograd.grad would skip. The answer and every .grad are still right."""
+def test_a_hook_on_a_non_leaf_of_a_branch_to_no_asked_parameter_is_refused():
+    """A non-leaf tensor's hook on a branch that leads to no asked parameter: the real backward
+    would run it, autograd.grad would not. Refused before anything runs (read by the compiled
+    extension); a hook on a branch to an asked parameter runs, as under autograd.grad."""
     m, x, outside = build("closure")
     extra = m.extra[0]
     calls = []
@@ -291,9 +292,137 @@ def test_limit_a_hook_on_a_non_leaf_of_a_branch_to_no_asked_parameter_runs():
         e2.register_hook(lambda g: calls.append(1))
         return mm(x) + e2.sum()
 
-    got = ts.structural_grad(m, loss, wrt=["inp", "out"])
-    assert calls == [1]
+    with pytest.raises(RuntimeError, match="MulBackward0 has a gradient hook.*no asked"):
+        ts.structural_grad(m, loss, wrt=["inp", "out"])
+    assert calls == []
+    untouched(m, outside)
+
+    def hooked_on_the_asked_path(mm):
+        y = mm(x)
+        y.register_hook(lambda g: calls.append(2))
+        return y
+
+    got = ts.structural_grad(m, hooked_on_the_asked_path, wrt=["inp", "out"])
+    assert calls == [2]
     want = reference(m, x, ["inp", "out"])
     for k, g in ts.tree.to_flat_dict(got).items():
         torch.testing.assert_close(g, want[k], rtol=0, atol=0)
     untouched(m, outside)
+
+
+# ------------------------------------------------------------------ hooks off the asked paths
+class Hooked(nn.Module):
+    """inp -> checkpoint(mid) -> out, a hook of kind ``how`` placed where ``where`` says:
+    ``before`` (on inp's output, a branch leading only to inp's parameters and the input) or
+    ``inside`` (in the checkpointed function, on ``side`` applied to a tensor outside the
+    model: a branch leading only to ``side``'s parameters and that tensor)."""
+
+    def __init__(self, how, where):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.side, self.out = (nn.Linear(4, 4), nn.Linear(4, 4),
+                                                   nn.Linear(4, 4), nn.Linear(4, 1))
+        self.how, self.where, self.calls = how, where, []
+        self.e = [torch.randn(4, requires_grad=True)]
+        if how == "module":  # a full backward hook on the hooked module
+            target = self.inp if where == "before" else self.side
+            target.register_full_backward_hook(lambda *a: self.calls.append("module"))
+
+    def hook(self, t):
+        if self.how == "tensor":
+            t.register_hook(lambda g: self.calls.append("tensor"))
+        elif self.how == "retain":
+            t.retain_grad()
+            self.calls.append(t)  # the tensor, to look at its .grad afterwards
+        elif self.how == "node":
+            t.grad_fn.register_hook(lambda *a: self.calls.append("node"))
+        elif self.how == "prehook":
+            t.grad_fn.register_prehook(lambda *a: self.calls.append("prehook"))
+        return t
+
+    def forward(self, x):
+        h = self.inp(x)
+        if self.where == "before":
+            h = self.hook(h)
+
+        def fn(u):
+            if self.where != "inside":
+                return self.mid(u)
+            s = self.side(self.e[0])
+            if torch.is_grad_enabled():  # the recomputation (the forward runs under no_grad)
+                s = self.hook(s)
+            return self.mid(u) + s
+
+        return self.out(torch.tanh(ck(fn, h))).sum()
+
+
+HOOKS = ["tensor", "retain", "node", "prehook", "module"]
+
+
+def ran(m):
+    """What ran: hook calls, or a retained tensor whose .grad was written."""
+    return [c for c in m.calls if isinstance(c, str) or c.grad is not None]
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("how", HOOKS)
+@pytest.mark.parametrize("where", ["before", "inside"])
+def test_a_hook_off_the_asked_paths_is_refused_and_nothing_runs(how, where):
+    m, x = Hooked(how, where), torch.randn(3, 4, requires_grad=True)
+    x.grad = torch.full_like(x, SENTINEL)
+    wrt = ["mid", "out"]
+    flags = [p.requires_grad for p in m.parameters()]
+    kind = "retain_grad" if how == "retain" else "a gradient hook"
+    with pytest.raises(RuntimeError, match=f"has {kind}.*leads to no asked parameter"):
+        ts.structural_grad(m, lambda mm: mm(x), wrt=wrt)
+    assert ran(m) == []
+    assert [p.requires_grad for p in m.parameters()] == flags
+    assert all(p.grad is None for p in m.parameters())
+    assert x.requires_grad and torch.equal(x.grad, torch.full_like(x, SENTINEL))
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+@pytest.mark.parametrize("how", HOOKS)
+@pytest.mark.parametrize("where", ["before", "inside"])
+def test_a_hook_on_an_asked_path_runs_as_under_autograd_grad(how, where):
+    """The same hooks with their branch asked (and the input not requiring grad: a module's
+    backward hook on it would otherwise wait for the input's gradient, which autograd.grad
+    does not compute): they run, and the answer is .backward()'s."""
+    m, x = Hooked(how, where), torch.randn(3, 4)
+    m.e[0].requires_grad_(False)
+    wrt = ["inp", "mid", "out"] + (["side"] if where == "inside" else [])
+    got = ts.tree.to_flat_dict(ts.structural_grad(m, lambda mm: mm(x), wrt=wrt))
+    assert ran(m)
+    m.calls.clear()
+    ref = copy.deepcopy(m)
+    ts.detach_hooks(ref)
+    ref(x).backward()
+    for k in got:
+        assert torch.equal(got[k], ref.get_parameter(k).grad), k
+
+
+def test_a_removed_hook_is_not_refused():
+    """A hook whose handle was removed leaves an empty holder on the node: nothing runs."""
+    m, x = Hooked("none", "before"), torch.randn(3, 4, requires_grad=True)
+
+    def loss(mm):
+        h = mm.inp(x)
+        h.register_hook(lambda g: g).remove()
+        h.grad_fn.register_prehook(lambda g: g).remove()
+        return mm.out(ck(mm.mid, h)).sum()
+
+    got = ts.structural_grad(m, loss, wrt="out")
+    assert set(ts.tree.to_flat_dict(got)) == {"out.weight", "out.bias"}
+
+
+@pytest.mark.filterwarnings("ignore:Full backward hook")
+def test_a_module_backward_hook_waiting_for_an_input_gradient_not_asked_is_refused():
+    """A module's full backward hook whose input requires grad: its input-side node leads to
+    the input only, which autograd.grad (asked for parameters) does not differentiate; the
+    real backward would run it: refused, also with the module's own parameters asked."""
+    m, x = Hooked("module", "before"), torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="BackwardHookFunctionBackward has a gradient hook"):
+        ts.structural_grad(m, lambda mm: mm(x), wrt=["inp", "mid", "out"])
+    assert ran(m) == []
+    got = ts.structural_grad(m, lambda mm: mm(x.detach()), wrt=["inp", "mid", "out"])
+    assert ran(m) == ["module"] and set(ts.tree.to_flat_dict(got)) >= {"inp.weight"}

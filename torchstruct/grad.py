@@ -523,13 +523,15 @@ def _grads_by_backward(model, loss, asked: Pairs, nodes: set, checkpoints: list,
     if not _ops.compiled_available():
         warnings.warn(
             "structural_grad: without the compiled extension (torchstruct._C) the hooks on "
-            "gradient accumulator nodes cannot be read, and the real backward that reentrant "
-            "activation checkpointing needs runs any there are. Use use_reentrant=False, or "
-            "install torchstruct with its extension",
+            "gradient accumulator nodes, and those on branches of the graph leading to no asked "
+            "parameter, cannot be read, and the real backward that reentrant activation "
+            "checkpointing needs runs any there are. Use use_reentrant=False, or install "
+            "torchstruct with its extension",
             RuntimeWarning, stacklevel=4,
         )
     exact = _Exact(model, asked, ddp)
     exact.check(_leaves(nodes) + [p for _, p in asked], ())
+    exact.check_branches([loss], ())
     bound = [p for node in checkpoints
              for m in modules_behind(getattr(node, "run_function", None)) for p in m.parameters()]
     with _only(model, asked):
@@ -563,7 +565,9 @@ class _Exact:
     refused where it records nothing. :meth:`restore` puts back flags, ``.grad`` fields and
     functions.
 
-    A hook the backward would run and ``autograd.grad`` would not is an error (:meth:`check`).
+    A hook the backward would run and ``autograd.grad`` would not is an error: on a leaf
+    (:meth:`check`), or on a non-leaf tensor or node off the asked paths
+    (:meth:`check_branches`), ``retain_grad()`` included.
     """
 
     def __init__(self, model: nn.Module, asked: Pairs, ddp) -> None:
@@ -608,6 +612,27 @@ class _Exact:
                 "needs a real backward to get the gradients, which would run it. Use "
                 "use_reentrant=False, or remove the hook for this call"
             )
+
+    def check_branches(self, roots, inputs) -> None:
+        """Refuse a hook, or a ``retain_grad()``, on a non-leaf tensor (or its node) that the
+        backward from ``roots`` would run and ``autograd.grad`` would not: on a branch that
+        leads to no asked parameter, nor to a reentrant checkpoint, nor to one of ``inputs``
+        (a recomputed function's own, whose gradients the checkpoint hands back)."""
+        targets = [p for _, p in self.pairs] + [a for a in inputs if isinstance(a, torch.Tensor)]
+        hooked = _ops.off_path_hooks([r for r in roots if isinstance(r, torch.Tensor)], targets)
+        if not hooked:
+            return
+        name, kind = hooked[0]
+        what = ("retain_grad() (the backward would write its .grad)" if kind == "retain_grad"
+                else "a gradient hook (Tensor.register_hook, a hook on its grad_fn, or a module's "
+                "full backward hook)")
+        raise RuntimeError(
+            f"structural_grad: a tensor computed by {name} has {what}, on a branch of the graph "
+            "that leads to no asked parameter; reentrant activation checkpointing needs a real "
+            "backward to get the gradients, which would run it where torch.autograd.grad does "
+            "not. Use use_reentrant=False, ask (wrt=) for the parameters behind it, or remove it "
+            "for this call"
+        )
 
     def take(self, nodes: set, checkpoints: list, keep, extra=()) -> None:
         """The graph of ``nodes`` (its reentrant ``checkpoints`` among them), ``keep`` the ids
@@ -677,6 +702,7 @@ class _Exact:
         nodes, inner = _walk(*(o for o in outs if isinstance(o, torch.Tensor)))
         keep = {id(a) for a in args if isinstance(a, torch.Tensor)}
         self.check(_leaves(nodes), keep | self.asked)
+        self.check_branches(outs, args)
         self.take(nodes, inner, keep)
         return out
 
