@@ -426,3 +426,18 @@ def test_a_module_backward_hook_waiting_for_an_input_gradient_not_asked_is_refus
     assert ran(m) == []
     got = ts.structural_grad(m, lambda mm: mm(x.detach()), wrt=["inp", "mid", "out"])
     assert ran(m) == ["module"] and set(ts.tree.to_flat_dict(got)) >= {"inp.weight"}
+
+
+def test_an_asked_parameter_s_hook_sees_each_part_as_under_backward():
+    """Used inside a checkpoint and outside it: the hook runs once per part (as under
+    .backward()), the parts summing to the gradient autograd.grad hands its hook once."""
+    torch.manual_seed(0)
+    m, x = nn.Linear(4, 4), torch.randn(3, 4, requires_grad=True)
+    seen = []
+    m.weight.register_hook(lambda g: seen.append(g.clone()))
+    got = ts.structural_grad(m, lambda mm: (ck(mm, x) * 2 + mm(x)).sum())
+    assert len(seen) == 2
+    whole = ts.structural_grad(m, lambda mm: (mm(x) * 2 + mm(x)).sum())
+    assert len(seen) == 3
+    torch.testing.assert_close(seen[0] + seen[1], seen[2])
+    torch.testing.assert_close(got["weight"], whole["weight"])
