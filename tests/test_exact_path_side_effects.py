@@ -161,15 +161,11 @@ def test_a_hook_on_an_outside_tensor_is_refused_and_changes_nothing(how, kind):
     flags = [t.requires_grad for t in outside]
     wrt = ["inp", "out"] if how != "fed" else "out"
     if how == "bound":
-        # its parameters stop requiring grad before the backward when the function is seen to
-        # be bound to it (no hook runs); where another wrapper of the function hides that, the
-        # recomputation reaches them and the hook is refused: either way, nothing runs or changes
-        try:
-            got = ts.structural_grad(m, lambda mm: mm(x), wrt=wrt)
-        except RuntimeError as e:
-            assert "outside the model has a" in str(e) and "hook" in str(e)
-        else:
-            assert sorted(got) == ["inp", "out"]
+        # its parameters stop requiring grad before the backward (the function is seen to be
+        # bound to it), also while a flag context elsewhere makes recomputations restore the
+        # forward's flags: the recomputation records nothing for them, no hook runs
+        got = ts.structural_grad(m, lambda mm: mm(x), wrt=wrt)
+        assert sorted(got) == ["inp", "out"]
     else:
         with pytest.raises(RuntimeError, match="outside the model has a .*hook"):
             ts.structural_grad(m, lambda mm: mm(x), wrt=wrt)
@@ -441,3 +437,21 @@ def test_an_asked_parameter_s_hook_sees_each_part_as_under_backward():
     assert len(seen) == 3
     torch.testing.assert_close(seen[0] + seen[1], seen[2])
     torch.testing.assert_close(got["weight"], whole["weight"])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_bound_module_stays_switched_off_while_a_flag_context_is_active(kind):
+    """A flag context active on another model makes every reentrant checkpoint recompute with
+    the flags its forward ran with: the exact path's own choices (a bound module's parameters
+    switched off) stand in its recomputations, so the hooked teacher is never reached."""
+    other = nn.Linear(2, 2)
+    with ts.freeze(other):
+        m, x, outside = build("bound")
+        calls, keep = [], []
+        _hook(kind, m.teacher[0].weight, calls, keep)
+        got = ts.structural_grad(m, lambda mm: mm(x), wrt=["inp", "out"])
+        want = reference(m, x, ["inp", "out"])
+        for k, g in ts.tree.to_flat_dict(got).items():
+            assert torch.equal(g, want[k]), k
+        assert calls == []
+        untouched(m, outside)

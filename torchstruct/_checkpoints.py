@@ -9,6 +9,7 @@ with the flags the forward ran with (contexts), and inside the ``stop_gradient``
 blocks the forward ran in (also those left before the backward)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import threading
@@ -260,6 +261,19 @@ def _flags_for(run_function) -> tuple:
         return tuple((p, p.requires_grad) for p in params.values())
 
 
+@contextlib.contextmanager
+def pinned(ids):
+    """While the block runs, a recomputation in this thread leaves the flags of the tensors
+    whose ids are ``ids`` as they are (structural_grad's exact path decides them: every leaf
+    it switched off, or back on for a checkpoint it feeds)."""
+    before = getattr(_LOCAL, "pinned", frozenset())
+    _LOCAL.pinned = before | frozenset(ids)
+    try:
+        yield
+    finally:
+        _LOCAL.pinned = before
+
+
 def _recompute(flags: tuple, run_function, *args, **kwargs):
     """A checkpoint's recomputation (in backward) with the flags its forward ran with: a
     context entered around the forward and left before the backward (a decorated training
@@ -267,9 +281,12 @@ def _recompute(flags: tuple, run_function, *args, **kwargs):
     parameters the forward had frozen, or none for those it trained. Flags that moved since
     are set back for the recomputation only, and restored after it; a checkpoint nested in
     the function remembers them in turn. The parameters' own flags are read and written, not
-    those of a block's stand-ins (this may run inside the blocks the forward ran in)."""
+    those of a block's stand-ins (this may run inside the blocks the forward ran in). The
+    flags :func:`pinned` in this thread are left alone."""
+    pinned = getattr(_LOCAL, "pinned", ())
     with torch._C.DisableTorchFunction():
-        moved = [(p, flag) for p, flag in flags if p.requires_grad is not flag]
+        moved = [(p, flag) for p, flag in flags
+                 if p.requires_grad is not flag and id(p) not in pinned]
     if not moved:
         return run_function(*args, **kwargs)
     running = _LOCAL.__dict__.setdefault("running", [])

@@ -56,7 +56,7 @@ from . import _dtensor, _ops, _state
 from . import tree as _tree
 from ._checks import check_bool, refuse_no_grad_dtype
 from ._checkpoints import (around, before_apply, is_reentrant_checkpoint, modules_behind,
-                           records_nothing)
+                           pinned, records_nothing)
 from ._compile_caveats import flags_changed, only_inlined
 from ._reference import _place
 from .distributed import average_gradients, ddp_wrapper
@@ -685,7 +685,11 @@ class _Exact:
         """A checkpoint's function, recomputed in its backward: a checkpoint nested in it that
         records nothing where it uses an asked parameter is an error (:class:`_DeadCheckpoints`,
         after :meth:`_revive`), and its graph is taken before the inner backward runs."""
-        with _DeadCheckpoints(self.model, self.pairs, revive=self._revive) as watch:
+        with self.lock:  # switched off here: stays off (not the flag the forward ran with);
+            # an asked one gets the forward's, as the rest of the graph has it
+            decided = (set(self.paths) - self.asked) | set(self.flags)
+        with pinned(decided), _DeadCheckpoints(self.model, self.pairs,
+                                                revive=self._revive) as watch:
             out = fn(*args)
         if watch.blind:
             raise ValueError(
