@@ -263,3 +263,33 @@ def test_refusal_during_the_backward_and_the_tensor_loss_graph(retain):
     else:
         with pytest.raises(RuntimeError, match="second time"):
             ts.structural_grad(m, loss, wrt="out")
+
+
+def test_the_outer_function_s_own_input_fed_to_a_nested_checkpoint_is_not_kept():
+    """``ck(lambda u: ck(f, u), h)``, twice in a row: u is the outer checkpoint's detached
+    input, a temporary; the call does not keep it alive once that checkpoint's backward is
+    done (seen from the next recomputation: the earlier one's input is gone)."""
+    import weakref
+
+    seen, alive_then = [], []
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.out = nn.Linear(4, 4), nn.Linear(4, 1)
+
+        def forward(self, x):
+            def outer(u):
+                if torch.is_grad_enabled():
+                    alive_then.append(sum(r() is not None for r in seen))
+                    seen.append(weakref.ref(u))
+                return ck(self.a, u)
+
+            return self.out(ck(outer, ck(outer, x))).sum()
+
+    m, x = M(), torch.randn(3, 4, requires_grad=True)
+    ref = reference(m, x)
+    got = ts.structural_grad(m, lambda mm: mm(x), wrt="a")
+    assert torch.equal(got["a"]["weight"], ref["a.weight"])
+    assert alive_then == [0, 0, 0, 0]  # reference backward, then the call's

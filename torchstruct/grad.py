@@ -44,6 +44,7 @@ import functools
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -585,7 +586,9 @@ class _Exact:
         self.saved = [(p, p.grad) for _, p in asked]  # (tensor, .grad to put back)
         self.held = {id(p) for _, p in asked}  # the ids of the tensors in saved
         self.flags: dict = {}  # id -> (leaf, its flag before this wrote it)
-        self.functions: list = []  # (checkpoint node, its function) wrapped
+        # (weak reference to a checkpoint node, its function) wrapped: weak, as a node of a
+        # recomputed graph holds that graph's inputs (through its edges) and dies with it
+        self.functions: list = []
 
     def check(self, leaves: list, keep) -> None:
         """Refuse the hooks on ``leaves`` a real backward would run: a post-accumulate-grad
@@ -649,7 +652,7 @@ class _Exact:
             for node in checkpoints:
                 fn = getattr(node, "run_function", None)
                 if fn is not None:
-                    self.functions.append((node, fn))
+                    self.functions.append((weakref.ref(node), fn))
                     node.run_function = functools.partial(self._recompute, fn)
 
     def _set(self, t: torch.Tensor, flag: bool) -> None:
@@ -677,9 +680,11 @@ class _Exact:
 
     def _revive(self, args) -> None:
         """A checkpoint is applied to ``args`` inside a recomputed function (before autograd
-        decides from their flags whether it records)."""
+        decides from their flags whether it records): those switched off here, back on. (One
+        requiring grad is held by :meth:`take` once the function returns, unless it is the
+        function's own input, a temporary whose ``.grad`` the outer checkpoint reads.)"""
         with self.lock:
-            self._feeding(a for a in args if isinstance(a, torch.Tensor))
+            self._feeding(a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad)
 
     def _recompute(self, fn, *args):
         """A checkpoint's function, recomputed in its backward: a checkpoint nested in it that
@@ -712,8 +717,9 @@ class _Exact:
 
     def restore(self) -> None:
         with self.lock:
-            for node, fn in reversed(self.functions):
-                node.run_function = fn
+            for ref, fn in reversed(self.functions):
+                if (node := ref()) is not None:
+                    node.run_function = fn
             for t, flag in self.flags.values():
                 t.requires_grad_(flag)
             for t, g in self.saved:
