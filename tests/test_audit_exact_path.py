@@ -20,30 +20,15 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
+from _reentrant import QUIET, S, ck, ddp_grads, leaf, tiny_gpt2
+
 import torchstruct as ts
 import torchstruct.grad as tsgrad
 from torchstruct.select import index
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-S = 7.0  # the sentinel every stale .grad holds
-
-pytestmark = pytest.mark.filterwarnings(
-    "ignore:None of the inputs have requires_grad=True",
-    "ignore:Full backward hook is firing",
-    "ignore::FutureWarning",
-)
-
-
-def ck(fn, *args):
-    return checkpoint(fn, *args, use_reentrant=True)
-
-
-def leaf(*shape, dtype=torch.float32):
-    """A tensor outside any model, requiring grad, with a sentinel .grad."""
-    t = torch.randn(*shape, dtype=dtype, requires_grad=True)
-    t.grad = torch.full_like(t, S)
-    return t
+pytestmark = QUIET
 
 
 def stale(model):
@@ -274,13 +259,7 @@ def test_hf_reentrant_with_wrt_matches_backward_of_only_those(kind):
 
 
 def test_hf_gpt2_with_dropout_is_bitwise_backward_under_the_same_seed():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
-                                  resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
-    model = transformers.GPT2LMHeadModel(cfg)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    model.train()
+    model = tiny_gpt2(0.2)
     ref = reference(model, hf_loss, seed=11)
     torch.manual_seed(11)
     got = ts.structural_grad(model, hf_loss)
@@ -503,12 +482,7 @@ def test_ddp_with_reentrant_checkpoint_and_closure(group, form):
     ddp = DDP(m)
     grads = stale(m)
     wrt = ["module.inp", "module.a", "module.out"]
-    if form == "callable":
-        got = ts.structural_grad(ddp, lambda d: d(x), wrt=wrt)
-    else:
-        with ddp.no_sync():
-            got = ts.structural_grad(ddp, ddp(x), wrt=wrt)
-    got = ts.tree.to_flat_dict(got)
+    got = ddp_grads(ddp, x, form, wrt)
     assert sorted(got) == sorted(k for k in ("module." + p for p, _ in index(m))
                                  if k.split(".")[1] in ("inp", "a", "out"))
     for k, g in got.items():

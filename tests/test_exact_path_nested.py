@@ -293,3 +293,11 @@ def test_the_outer_function_s_own_input_fed_to_a_nested_checkpoint_is_not_kept()
     got = ts.structural_grad(m, lambda mm: mm(x), wrt="a")
     assert torch.equal(got["a"]["weight"], ref["a.weight"])
     assert alive_then == [0, 0, 0, 0]  # reference backward, then the call's
+
+
+def test_under_no_grad_a_callable_loss_is_refused_for_the_no_grad():
+    """A callable loss under torch.no_grad(): every checkpoint records nothing; the error says
+    no_grad, not the checkpoint."""
+    m = Nested(lambda self, e: self.w)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"torch\.no_grad\(\)"):
+        ts.structural_grad(m, lambda mm: mm(X))

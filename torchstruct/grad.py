@@ -380,7 +380,7 @@ def _called(loss_fn: Callable, model: nn.Module, asked: Pairs) -> torch.Tensor:
     inside a reentrant checkpoint that records nothing, is an error."""
     with _DeadCheckpoints(model, asked) as watch:
         loss = _check_loss(loss_fn(model))
-    if watch.blind:
+    if watch.blind and torch.is_grad_enabled():  # (under no_grad: the loss says so, below)
         raise ValueError(
             f"structural_grad: {watch.blind[0]!r} is used inside a reentrant activation "
             "checkpoint (use_reentrant=True) none of whose inputs requires grad, so autograd "
@@ -586,6 +586,10 @@ class _Exact:
         self.saved = [(p, p.grad) for _, p in asked]  # (tensor, .grad to put back)
         self.held = {id(p) for _, p in asked}  # the ids of the tensors in saved
         self.flags: dict = {}  # id -> (leaf, its flag before this wrote it)
+        # id -> weak reference: the recomputed functions' own inputs (the detached copies whose
+        # .grad each checkpoint hands back once its inner backward is done): left alone, also
+        # by a checkpoint nested in the function that reads one (weak: temporaries)
+        self.inputs: dict = {}
         # (weak reference to a checkpoint node, its function) wrapped: weak, as a node of a
         # recomputed graph holds that graph's inputs (through its edges) and dies with it
         self.functions: list = []
@@ -620,7 +624,7 @@ class _Exact:
         """Refuse a hook, or a ``retain_grad()``, on a non-leaf tensor (or its node) that the
         backward from ``roots`` would run and ``autograd.grad`` would not: on a branch that
         leads to no asked parameter, nor to a reentrant checkpoint, nor to one of ``inputs``
-        (a recomputed function's own, whose gradients the checkpoint hands back)."""
+        (the recomputed functions', whose gradients their checkpoints hand back)."""
         targets = [p for _, p in self.pairs] + [a for a in inputs if isinstance(a, torch.Tensor)]
         hooked = _ops.off_path_hooks([r for r in roots if isinstance(r, torch.Tensor)], targets)
         if not hooked:
@@ -686,15 +690,30 @@ class _Exact:
         with self.lock:
             self._feeding(a for a in args if isinstance(a, torch.Tensor) and not a.requires_grad)
 
+    def _enclosing(self) -> dict:
+        """Under the lock: id -> tensor, the recomputed functions' inputs alive now (this
+        one's, and those of the checkpoints around it whose backward runs)."""
+        live = {}
+        for i, ref in list(self.inputs.items()):
+            t = ref()
+            if t is None:
+                del self.inputs[i]
+            else:
+                live[i] = t
+        return live
+
     def _recompute(self, fn, *args):
         """A checkpoint's function, recomputed in its backward: a checkpoint nested in it that
-        records nothing where it uses an asked parameter is an error (:class:`_DeadCheckpoints`,
-        after :meth:`_revive`), and its graph is taken before the inner backward runs."""
+        records nothing where it uses an asked parameter, or an enclosing checkpoint's input,
+        is an error (:class:`_DeadCheckpoints`, after :meth:`_revive`), and its graph is taken
+        before the inner backward runs."""
         with self.lock:  # switched off here: stays off (not the flag the forward ran with);
             # an asked one gets the forward's, as the rest of the graph has it
             decided = (set(self.paths) - self.asked) | set(self.flags)
-        with pinned(decided), _DeadCheckpoints(self.model, self.pairs,
-                                                revive=self._revive) as watch:
+            self.inputs.update((id(a), weakref.ref(a)) for a in args if isinstance(a, torch.Tensor))
+            live = self._enclosing()
+        with pinned(decided), _DeadCheckpoints(self.model, self.pairs, revive=self._revive,
+                                                inputs=live) as watch:
             out = fn(*args)
         if watch.blind:
             raise ValueError(
@@ -707,11 +726,21 @@ class _Exact:
                 "tensor outside the model). Use use_reentrant=False, or give the nested "
                 "checkpoint an input that requires grad"
             )
+        if watch.lost:
+            raise ValueError(
+                "structural_grad: a reentrant activation checkpoint (use_reentrant=True) nested "
+                "in another one, none of whose inputs requires grad when the outer one "
+                "recomputes it in backward, reads the outer one's input (a closure, a keyword "
+                "bound in a partial): autograd records nothing there, so the gradient flowing "
+                "back through that input, to the parameters before the outer checkpoint, would "
+                "miss that use. Use use_reentrant=False, or pass that tensor to the nested "
+                "checkpoint as an argument"
+            )
         outs = out if isinstance(out, (tuple, list)) else (out,)
         nodes, inner = _walk(*(o for o in outs if isinstance(o, torch.Tensor)))
-        keep = {id(a) for a in args if isinstance(a, torch.Tensor)}
+        keep = set(live)
         self.check(_leaves(nodes), keep | self.asked)
-        self.check_branches(outs, args)
+        self.check_branches(outs, list(live.values()))
         self.take(nodes, inner, keep)
         return out
 
@@ -751,9 +780,13 @@ class _DeadCheckpoints:
     Only the watches of the thread running the checkpoint look.
     """
 
-    def __init__(self, model: nn.Module, asked: Pairs, revive=None) -> None:
+    def __init__(self, model: nn.Module, asked: Pairs, revive=None, inputs=None) -> None:
         paths = {id(p): path for path, p in asked}
         self.revive = revive  # given a checkpoint's inputs before it is judged (or None)
+        # id -> tensor: the inputs of the checkpoints being recomputed (in the exact path's
+        # backward); one used inside a checkpoint that records nothing sets lost
+        self.inputs = inputs or {}
+        self.lost = False
         self.paths = paths
         self.thread = threading.get_ident()
         self.walked: set = set()  # graph nodes already searched for asked parameters
@@ -794,6 +827,8 @@ class _DeadCheckpoints:
         for t in _tensors_in(args):
             if id(t) in self.paths:
                 own.append(self.paths[id(t)])
+            elif self.inputs.get(id(t)) is t:
+                self.lost = True
             elif t.grad_fn is not None:
                 own.extend(self._behind(t.grad_fn))
         if own:
@@ -811,6 +846,8 @@ class _DeadCheckpoints:
             leaf = getattr(n, "variable", None)
             if leaf is not None and id(leaf) in self.paths:
                 found.append(self.paths[id(leaf)])
+            elif leaf is not None and self.inputs.get(id(leaf)) is leaf:
+                self.lost = True
             stack.extend(f for f, _ in n.next_functions)
         return found
 
