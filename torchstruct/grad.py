@@ -777,7 +777,11 @@ class _DeadCheckpoints:
       notes every asked parameter an operation takes (a parameter used functionally,
       ``F.linear(u, self.lin.weight)``, whose module's forward never runs).
 
-    Only the watches of the thread running the checkpoint look.
+    Only the watches of the thread running the checkpoint look. The exact path watches each
+    recomputation too (a checkpoint nested in the function runs its forward there): with
+    ``revive``, called with a checkpoint's inputs as it is applied (:func:`_checkpoint_apply`),
+    and ``inputs``, the recomputed functions' own, whose use inside a checkpoint that records
+    nothing sets ``lost``.
     """
 
     def __init__(self, model: nn.Module, asked: Pairs, revive=None, inputs=None) -> None:
