@@ -15,9 +15,10 @@
 // executes and torch.autograd.grad(roots, targets) would not, that hold a hook: reachable from
 // a root, not a gradient accumulator (those are asked about one by one, above), and with no
 // path to a target (a target tensor's accumulator, or a node named like a checkpoint, whose
-// inner backward may reach one). A list of (node name, kind), kind "retain_grad" (a non-leaf
-// tensor's retain_grad(), whose .grad the backward would write) or "hook" (register_hook on
-// the tensor or the node, register_prehook, a module's full backward hook).
+// inner backward may reach one). A list of (node name, kind, hooks), kind "retain_grad" (a
+// non-leaf tensor's retain_grad(), whose .grad the backward would write; hooks empty) or
+// "hook" (register_hook on the tensor or the node, register_prehook, a module's backward
+// hooks), hooks the callables registered from Python (None for a hook made in C++).
 #include <torch/csrc/autograd/python_hook.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
@@ -69,18 +70,42 @@ void node_hooks(Node& node, long& python, long& other) {
   }
 }
 
-// What the node holds that a backward through it would run: "retain_grad", "hook" or nullptr.
-const char* hooked(Node& node) {
-  if (!node.retains_grad_hooks().empty()) return "retain_grad";
-  long python = 0;
-  long other = 0;
-  node_hooks(node, python, other);
-  for (const auto& hook : node.tensor_pre_hooks()) {
-    count(python_callables<torch::autograd::PyFunctionTensorPreHook>(
-              *hook, "PyFunctionTensorPreHook"),
-          python, other);
+// Appends to `out` the Python callables a node hook holds (its dict's values), or None for a
+// hook made in C++. Returns false on a Python error.
+template <typename PyHook, typename Hook>
+bool append_callables(Hook& hook, const char* name, PyObject* out) {
+  if (std::strstr(typeid(hook).name(), name) == nullptr) return PyList_Append(out, Py_None) == 0;
+  PyObject* dict = static_cast<PyHook&>(hook).dict;
+  if (dict == nullptr || !PyDict_Check(dict)) return true;
+  PyObject* key = nullptr;
+  PyObject* value = nullptr;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(dict, &pos, &key, &value)) {
+    if (PyList_Append(out, value) != 0) return false;
   }
-  return python || other ? "hook" : nullptr;
+  return true;
+}
+
+// What the node holds that a backward through it would run: "retain_grad", "hook" or nullptr;
+// the hooks' callables (None for one made in C++) appended to `callables`.
+const char* hooked(Node& node, PyObject* callables, bool& failed) {
+  if (!node.retains_grad_hooks().empty()) return "retain_grad";
+  const Py_ssize_t before = PyList_GET_SIZE(callables);
+  bool ok = true;
+  for (const auto& hook : node.pre_hooks()) {
+    ok = ok && append_callables<torch::autograd::PyFunctionPreHook>(*hook, "PyFunctionPreHook",
+                                                                      callables);
+  }
+  for (const auto& hook : node.post_hooks()) {
+    ok = ok && append_callables<torch::autograd::PyFunctionPostHook>(*hook, "PyFunctionPostHook",
+                                                                       callables);
+  }
+  for (const auto& hook : node.tensor_pre_hooks()) {
+    ok = ok && append_callables<torch::autograd::PyFunctionTensorPreHook>(
+                   *hook, "PyFunctionTensorPreHook", callables);
+  }
+  failed = !ok;
+  return PyList_GET_SIZE(callables) > before ? "hook" : nullptr;
 }
 
 bool named_like_a_checkpoint(const std::string& name) {
@@ -181,15 +206,23 @@ PyObject* off_path_hooks(PyObject* /*self*/, PyObject* args) {
     if (useful.count(order[i]) != 0 || names[i].find("AccumulateGrad") != std::string::npos) {
       continue;
     }
-    const char* kind = hooked(*order[i]);
-    if (kind == nullptr) continue;
-    PyObject* item = Py_BuildValue("(ss)", names[i].c_str(), kind);
-    if (item == nullptr || PyList_Append(out, item) != 0) {
+    PyObject* callables = PyList_New(0);
+    if (callables == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    bool failed = false;
+    const char* kind = hooked(*order[i], callables, failed);
+    PyObject* item = failed || kind == nullptr
+                         ? nullptr
+                         : Py_BuildValue("(ssO)", names[i].c_str(), kind, callables);
+    Py_DECREF(callables);
+    if (failed || (kind != nullptr && (item == nullptr || PyList_Append(out, item) != 0))) {
       Py_XDECREF(item);
       Py_DECREF(out);
       return nullptr;
     }
-    Py_DECREF(item);
+    Py_XDECREF(item);
   }
   return out;
 }

@@ -48,3 +48,20 @@ def ddp_grads(ddp, x, form: str, wrt):
         with ddp.no_sync():
             got = ts.structural_grad(ddp, ddp(x), wrt=wrt)
     return ts.tree.to_flat_dict(got)
+
+
+IDS = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(2))
+
+
+def hf_loss(m):
+    """The language-model loss of a fixed batch of token ids (vocabulary of 100)."""
+    return m(input_ids=IDS, labels=IDS).loss
+
+
+def tiny_llama():
+    """A two-layer Llama built from a config (grouped-query attention, vocabulary of 100)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   vocab_size=100, max_position_embeddings=32)
+    return transformers.LlamaForCausalLM(cfg)

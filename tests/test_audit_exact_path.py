@@ -20,7 +20,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 
-from _reentrant import QUIET, S, ck, ddp_grads, leaf, tiny_gpt2
+from _reentrant import (IDS, QUIET, S, ck, ddp_grads, hf_loss, leaf, tiny_gpt2,
+                        tiny_llama)
 
 import torchstruct as ts
 import torchstruct.grad as tsgrad
@@ -195,10 +196,7 @@ def hf_model(kind, lora):
                                       attn_pdrop=0.0)
         model, targets = transformers.GPT2LMHeadModel(cfg), ["c_attn"]
     elif kind == "llama":
-        cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2,
-                                       vocab_size=100, max_position_embeddings=32)
-        model, targets = transformers.LlamaForCausalLM(cfg), ["q_proj", "v_proj"]
+        model, targets = tiny_llama(), ["q_proj", "v_proj"]
     else:
         cfg = transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, vocab_size=100,
@@ -215,11 +213,6 @@ def hf_model(kind, lora):
     return model
 
 
-IDS = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(2))
-
-
-def hf_loss(m):
-    return m(input_ids=IDS, labels=IDS).loss
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -151,8 +151,9 @@ def accumulator_hooks(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
 def off_path_hooks(roots, targets) -> Optional[list]:
     """The hooked nodes a backward from ``roots`` runs and ``torch.autograd.grad(roots,
     targets)`` would not (no path to a target, nor to a reentrant checkpoint; gradient
-    accumulators left out), as ``(node name, kind)``, kind ``"retain_grad"`` or ``"hook"``;
-    None without the compiled extension, which reads them."""
+    accumulators left out), as ``(node name, kind, hooks)``: kind ``"retain_grad"`` (hooks
+    empty) or ``"hook"``, hooks the callables registered from Python (None for one made in
+    C++); None without the compiled extension, which reads them."""
     if _C is None:
         return None
     return _C.off_path_hooks(list(roots), list(targets))

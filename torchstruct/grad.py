@@ -49,6 +49,7 @@ from collections.abc import Callable
 
 import torch
 import torch.utils.checkpoint
+import torch.utils.hooks
 from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
@@ -626,7 +627,9 @@ class _Exact:
         leads to no asked parameter, nor to a reentrant checkpoint, nor to one of ``inputs``
         (the recomputed functions', whose gradients their checkpoints hand back)."""
         targets = [p for _, p in self.pairs] + [a for a in inputs if isinstance(a, torch.Tensor)]
-        hooked = _ops.off_path_hooks([r for r in roots if isinstance(r, torch.Tensor)], targets)
+        hooked = [(name, kind) for name, kind, hooks in _ops.off_path_hooks(
+            [r for r in roots if isinstance(r, torch.Tensor)], targets) or ()
+            if kind == "retain_grad" or not all(_idle(h) for h in hooks)]
         if not hooked:
             return
         name, kind = hooked[0]
@@ -753,6 +756,21 @@ class _Exact:
                 t.requires_grad_(flag)
             for t, g in self.saved:
                 t.grad = g
+
+
+def _idle(hook) -> bool:
+    """``hook`` is the one torch registers on the input side of a module with backward hooks
+    (to call its full backward hooks once the inputs' gradients are known), and the module had
+    none when its forward ran (a ``register_full_backward_pre_hook`` alone): it changes
+    nothing, so a backward that runs it and ``autograd.grad`` that does not agree."""
+    if getattr(hook, "__qualname__", "") != "BackwardHook._set_user_hook.<locals>.hook":
+        return False
+    cells = dict(zip(hook.__code__.co_freevars, hook.__closure__ or ()))
+    try:
+        owner = cells["self"].cell_contents
+    except (KeyError, ValueError):
+        return False
+    return isinstance(owner, torch.utils.hooks.BackwardHook) and not owner.user_hooks
 
 
 def _accumulator_hooked(t: torch.Tensor, synced: bool) -> bool:
