@@ -455,3 +455,12 @@ def test_a_bound_module_stays_switched_off_while_a_flag_context_is_active(kind):
             assert torch.equal(g, want[k]), k
         assert calls == []
         untouched(m, outside)
+
+
+def test_a_hooked_outside_tensor_is_described_in_the_refusal():
+    m, x, outside = build("closure")
+    m.extra[0].register_hook(lambda g: g)
+    with pytest.raises(RuntimeError, match=r"outside the model has a gradient hook \(that tensor: "
+                                           r"shape \(4,\), dtype torch\.float32, device cpu\)"):
+        ts.structural_grad(m, lambda mm: mm(x), wrt=["inp", "out"])
+    untouched(m, outside)

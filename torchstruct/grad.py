@@ -615,10 +615,12 @@ class _Exact:
                 what = "a gradient hook"
             else:
                 continue
+            which = ("" if id(t) in self.paths else
+                     f" (that tensor: shape {tuple(t.shape)}, dtype {t.dtype}, device {t.device})")
             raise RuntimeError(
-                f"structural_grad: {where} has {what}, and reentrant activation checkpointing "
-                "needs a real backward to get the gradients, which would run it. Use "
-                "use_reentrant=False, or remove the hook for this call"
+                f"structural_grad: {where} has {what}{which}, and reentrant activation "
+                "checkpointing needs a real backward to get the gradients, which would run it. "
+                "Use use_reentrant=False, or remove the hook for this call"
             )
 
     def check_branches(self, roots, inputs) -> None:
