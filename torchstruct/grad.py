@@ -575,6 +575,7 @@ class _Exact:
     def __init__(self, model: nn.Module, asked: Pairs, ddp) -> None:
         self.model, self.pairs = model, asked
         self.asked = {id(p) for _, p in asked}
+        self.owners = _owners(model, {id(p): path for path, p in asked})  # for the watches
         every = index(model)
         self.paths = {id(p): path for path, p in every}
         # the ids of the leaves that required grad when the forward ran and are switched off
@@ -718,7 +719,7 @@ class _Exact:
             self.inputs.update((id(a), weakref.ref(a)) for a in args if isinstance(a, torch.Tensor))
             live = self._enclosing()
         with pinned(decided), _DeadCheckpoints(self.model, self.pairs, revive=self._revive,
-                                                inputs=live) as watch:
+                                                inputs=live, owners=self.owners) as watch:
             out = fn(*args)
         if watch.blind:
             raise ValueError(
@@ -804,7 +805,8 @@ class _DeadCheckpoints:
     nothing sets ``lost``.
     """
 
-    def __init__(self, model: nn.Module, asked: Pairs, revive=None, inputs=None) -> None:
+    def __init__(self, model: nn.Module, asked: Pairs, revive=None, inputs=None,
+                 owners=None) -> None:
         paths = {id(p): path for path, p in asked}
         self.revive = revive  # given a checkpoint's inputs before it is judged (or None)
         # id -> tensor: the inputs of the checkpoints being recomputed (in the exact path's
@@ -814,11 +816,8 @@ class _DeadCheckpoints:
         self.paths = paths
         self.thread = threading.get_ident()
         self.walked: set = set()  # graph nodes already searched for asked parameters
-        self.owners: dict[int, list[str]] = {}
-        for m in model.modules():
-            own = [paths[id(p)] for p in m._parameters.values() if p is not None and id(p) in paths]
-            if own:
-                self.owners[id(m)] = own
+        # id(module) -> the asked paths of its own parameters (given: computed once per call)
+        self.owners: dict[int, list[str]] = owners if owners is not None else _owners(model, paths)
         self.blind: list[str] = []
 
     def __enter__(self) -> "_DeadCheckpoints":
@@ -877,6 +876,17 @@ class _DeadCheckpoints:
 
     def note(self, paths: list[str]) -> None:
         self.blind.extend(p for p in paths if p not in self.blind)
+
+
+def _owners(model: nn.Module, paths: dict) -> dict[int, list[str]]:
+    """id(module) -> the paths (``paths``: id -> path) of the module's own parameters among
+    them, for every module of ``model`` that has one."""
+    owners = {}
+    for m in model.modules():
+        own = [paths[id(p)] for p in m._parameters.values() if p is not None and id(p) in paths]
+        if own:
+            owners[id(m)] = own
+    return owners
 
 
 def _mine() -> list:
