@@ -126,19 +126,21 @@ def before_apply(fn) -> None:
     """Call ``fn(args)`` with a reentrant checkpoint's inputs as it is applied, before autograd
     decides from their flags whether it records (its forward is too late for that), or stop
     (``fn`` None). One at a time."""
+    global _BEFORE
     with _AROUND_LOCK:
-        _BEFORE[:] = [fn] if fn is not None else []
+        _BEFORE = fn
         if fn is not None:
             _CHECKPOINT.apply = classmethod(_apply)
         elif "apply" in _CHECKPOINT.__dict__:
             del _CHECKPOINT.apply  # torch.autograd.Function's own again
 
 
-_BEFORE: list = []  # the function before_apply was given
+_BEFORE = None  # the function before_apply was given
 
 
 def _apply(cls, run_function, preserve_rng_state, *args):
-    for fn in list(_BEFORE):
+    fn = _BEFORE  # read once: another thread may stop it meanwhile
+    if fn is not None:
         fn(args)
     return super(_CHECKPOINT, cls).apply(run_function, preserve_rng_state, *args)
 

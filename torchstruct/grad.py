@@ -586,7 +586,7 @@ class _Exact:
         self.synced = {id(p) for p in ddp.module.parameters()} if ddp is not None else set()
         self.lock = threading.Lock()  # a backward may recompute on several device threads
         self.saved = [(p, p.grad) for _, p in asked]  # (tensor, .grad to put back)
-        self.held = {id(p) for _, p in asked}  # the ids of the tensors in saved
+        self.held = set(self.asked)  # the ids of the tensors in saved
         self.flags: dict = {}  # id -> (leaf, its flag before this wrote it)
         # id -> weak reference: the recomputed functions' own inputs (the detached copies whose
         # .grad each checkpoint hands back once its inner backward is done): left alone, also
