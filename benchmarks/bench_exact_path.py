@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 import torchstruct as ts
 
 from .bench_structural_grad import BATCH, LAST, SEQ, VOCAB, Transformer
-from .common import machine_description
+from .common import machine_description, targets_line
 from .results import options, report
 
 
@@ -126,7 +126,7 @@ def run(rounds: int = 5) -> str:
     ]
     lines += [
         "",
-        "Targets: " + "; ".join(f"{t}: {'met' if ok else 'MISSED'}" for t, ok in checks) + ".",
+        targets_line(checks),
         "",
         "The gradients of (a) are checked equal (torch.equal) to (p)'s before timing. (p) includes"
         " reading and clearing the .grad fields; (a) and (b) include building the tree and"

@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import torchstruct as ts
 
-from .common import bytes_of, machine_description
+from .common import bytes_of, machine_description, targets_line
 from .results import options, report
 
 D, HEADS, LAYERS, SEQ, BATCH, VOCAB = 256, 4, 12, 128, 8, 1000
@@ -220,7 +220,7 @@ def _table(model, rows, rounds) -> str:
     ]
     lines += [
         "",
-        "Targets: " + "; ".join(f"{t}: {'met' if ok else 'MISSED'}" for t, ok in checks) + ".",
+        targets_line(checks),
         "",
         "Backward, forward: the callable form `structural_grad(model, loss_fn, wrt=...)`, split"
         " where the loss callable returns; its forward runs with only the asked parameters"

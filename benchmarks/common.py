@@ -191,3 +191,8 @@ def paired_ratios(numerators, denominators):
         return ratios[0], ratios[0], ratios[0]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
     return statistics.median(ratios), q1, q3
+
+
+def targets_line(checks) -> str:
+    """``checks``, pairs ``(target, met)``, as one line: ``Targets: target: met; ... .``"""
+    return "Targets: " + "; ".join(f"{t}: {'met' if ok else 'MISSED'}" for t, ok in checks) + "."
