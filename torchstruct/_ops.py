@@ -380,7 +380,8 @@ if _C is not None and hasattr(torch.library, "register_fake"):
 # ---------------------------------------------------------------------------
 
 
-def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0,
+                name_of: Optional[Callable[[int], str]] = None) -> torch.Tensor:
     """p-norm of the concatenation of all elements of ``tensors``.
 
     ``tensors``: any sequence of dense float32/float64/float16/bfloat16 tensors,
@@ -390,7 +391,8 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
     (``torch.tensor(0.0)`` for an empty list). NaN anywhere gives NaN, inf gives
     inf. Each device's part is reduced by one kernel call; the per-device norms
     are then combined. DTensors (FSDP2) count with all their shards: see
-    ``_dtensor``; the result is then the same plain tensor on every rank.
+    ``_dtensor``; the result is then the same plain tensor on every rank. ``name_of``:
+    how an error names tensor ``i`` (its path), else by index.
     """
     p = _reference.validate_norm_type(norm_type)
     tensors = list(tensors) if not isinstance(tensors, torch.Tensor) else [tensors]
@@ -401,20 +403,23 @@ def global_norm(tensors: Sequence[torch.Tensor], norm_type: float = 2.0) -> torc
         return out
     if _dtensor.any_dtensor(tensors):
         return _dtensor.global_norm(tensors, p, lambda part: global_norm(part, p))
-    norms = _per_device("global_norm", tensors, (p,), _validate_float_tensors("global_norm"), p)
+    norms = _per_device("global_norm", tensors, (p,),
+                        _validate_float_tensors("global_norm", name_of), p)
     if len(norms) == 1:
         return norms[0]
     return _reference.combine_norms(norms, p, tensors[0].device)
 
 
-def _validate_float_tensors(op: str) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
-    return lambda tensors: _reference.validate_tensors(tensors, op)
+def _validate_float_tensors(op: str, name_of: Optional[Callable[[int], str]] = None
+                            ) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
+    return lambda tensors: _reference.validate_tensors(tensors, op, name_of)
 
 
-def _validate_writable_tensors(op: str) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
+def _validate_writable_tensors(op: str, name_of: Optional[Callable[[int], str]] = None
+                               ) -> Callable[[List[torch.Tensor]], List[torch.Tensor]]:
     def validate(tensors):
-        tensors = _reference.validate_tensors(tensors, op)
-        _reference.validate_writable(tensors, op)
+        tensors = _reference.validate_tensors(tensors, op, name_of)
+        _reference.validate_writable(tensors, op, name_of)
         return tensors
 
     return validate
@@ -482,6 +487,7 @@ def clip_by_global_norm_(
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
+    name_of: Optional[Callable[[int], str]] = None,
 ) -> torch.Tensor:
     """Scale ``grads`` in place by ``min(max_norm / (norm + 1e-6), 1)``, ``norm``
     their global ``norm_type``-norm; returns ``norm`` (0-dim, on the first grad's
@@ -494,7 +500,8 @@ def clip_by_global_norm_(
     reads the norm on the host; nothing is written then), then each part scaled
     by the coefficient. DTensors likewise: the norm of all their shards (a
     collective, see ``_dtensor``), then each rank's local shards scaled. Every
-    input is checked before anything is written.
+    input is checked before anything is written; an error names a bad one as
+    ``name_of(i)`` says where given.
     """
     p = _reference.validate_norm_type(norm_type)
     max_norm = _reference.validate_max_norm(max_norm)
@@ -506,7 +513,7 @@ def clip_by_global_norm_(
         if out is not _REFUSED:
             return out
     sharded = _dtensor.any_dtensor(grads)  # DTensors: scale the local shards, norm of all
-    local_grads = _validate_writable_tensors("clip_by_global_norm_")(
+    local_grads = _validate_writable_tensors("clip_by_global_norm_", name_of)(
         _dtensor.locals_(grads) if sharded else grads)
     groups = _group_by_device(local_grads)
     if len(groups) == 1 and not error_if_nonfinite and not sharded:

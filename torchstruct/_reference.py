@@ -9,7 +9,7 @@ reject bad input with the same errors.
 """
 
 import math
-from typing import Iterable, List, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 
@@ -45,11 +45,13 @@ def validate_norm_type(norm_type) -> float:
     return p
 
 
-def validate_tensors(tensors: Iterable[torch.Tensor], op: str) -> List[torch.Tensor]:
+def validate_tensors(tensors: Iterable[torch.Tensor], op: str,
+                     name_of: Optional[Callable[[int], str]] = None) -> List[torch.Tensor]:
     """Materialize ``tensors`` as a list of dense floating-point tensors.
 
     Raises ``TypeError`` naming the offending entry for non-tensors, sparse or
-    otherwise non-strided tensors, and unsupported dtypes.
+    otherwise non-strided tensors, and unsupported dtypes: as ``name_of(i)`` says (e.g.
+    "the gradient of 'fc.weight'") where given, else by its index.
     """
     if isinstance(tensors, torch.Tensor):
         tensors = [tensors]
@@ -59,15 +61,20 @@ def validate_tensors(tensors: Iterable[torch.Tensor], op: str) -> List[torch.Ten
             raise TypeError(f"{op}: entry {i} is a {type(t).__name__}, not a tensor")
         if t.layout != torch.strided:
             raise TypeError(
-                f"{op}: tensor {i} has layout {t.layout}; sparse and other non-strided "
+                f"{op}: {_name(i, name_of)} has layout {t.layout}; sparse and other non-strided "
                 f"tensors are not supported (densify with .to_dense() first)"
             )
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(
-                f"{op}: tensor {i} has dtype {t.dtype}; supported dtypes are "
+                f"{op}: {_name(i, name_of)} has dtype {t.dtype}; supported dtypes are "
                 f"float32, float64, float16 and bfloat16"
             )
     return out
+
+
+def _name(i: int, name_of: Optional[Callable[[int], str]]) -> str:
+    """How an error names entry ``i``: as ``name_of`` says where given, else ``tensor i``."""
+    return name_of(i) if name_of is not None else f"tensor {i}"
 
 
 def result_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
@@ -163,10 +170,11 @@ def validate_max_norm(max_norm, name: str = "max_norm", text: bool = True) -> fl
     return value
 
 
-def validate_writable(tensors: Sequence[torch.Tensor], op: str) -> None:
-    """``RuntimeError`` naming the entry for a tensor whose elements share memory
-    (e.g. an expanded tensor), or an inference tensor outside inference mode: it
-    cannot be written in place."""
+def validate_writable(tensors: Sequence[torch.Tensor], op: str,
+                      name_of: Optional[Callable[[int], str]] = None) -> None:
+    """``RuntimeError`` naming the entry (as :func:`validate_tensors` does) for a tensor
+    whose elements share memory (e.g. an expanded tensor), or an inference tensor outside
+    inference mode: it cannot be written in place."""
     # (not while torch.compile traces: it cannot trace inference-mode queries, and
     # traced tensors are never inference tensors)
     compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
@@ -174,12 +182,12 @@ def validate_writable(tensors: Sequence[torch.Tensor], op: str) -> None:
     for i, t in enumerate(tensors):
         if outside_inference and t.is_inference():
             raise RuntimeError(
-                f"{op}: tensor {i} is an inference tensor; in-place updates to inference "
+                f"{op}: {_name(i, name_of)} is an inference tensor; in-place updates to inference "
                 f"tensors outside InferenceMode are not allowed"
             )
         if t.numel() > 1 and not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
             raise RuntimeError(
-                f"{op}: tensor {i} has elements that share memory (e.g. an expanded tensor) "
+                f"{op}: {_name(i, name_of)} has elements that share memory (e.g. an expanded tensor) "
                 f"and cannot be written in place"
             )
 

@@ -31,20 +31,37 @@ except TypeError:  # torch < 2.7: no reason
     _model_grads = torch.compiler.disable(_model_grads_now)
 
 
-def _tensors(x) -> list[torch.Tensor]:
-    """A model (its trainable parameters' gradients), a tree (its leaves) or tensors -> list."""
+def _model_paths(model: nn.Module):
+    """How an error names gradient ``i`` of ``_model_grads(model)``: by its parameter's path
+    (worked out only when an error needs it)."""
+    def name_of(i: int) -> str:
+        with _state.without_stand_ins():
+            paths = [path for path, p in trainable_parameters(model) if p.grad is not None]
+        return f"the gradient of {paths[i]!r}"
+    return name_of
+
+
+def _tree_leaves(x: dict):
+    """A tree's leaves, a tensor held at several paths once, and how an error names each."""
+    items = tree._distinct_items(x)
+    return [leaf for _, leaf in items], lambda i: f"the leaf at {items[i][0]!r}"
+
+
+def _tensors(x):
+    """A model (its trainable parameters' gradients), a tree (its leaves) or tensors -> list,
+    and how an error names entry ``i`` (by path; None: by index)."""
     if isinstance(x, nn.Module):
-        return _model_grads(x)
+        return _model_grads(x), _model_paths(x)
     if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, dict):  # a tree: its leaves, a tensor held at several paths once
-        return tree._distinct_leaves(x)
+        return [x], None
+    if isinstance(x, dict):
+        return _tree_leaves(x)
     if isinstance(x, Iterable):
         items = list(x)
         for i, t in enumerate(items):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"global_norm: element {i} is a {type(t).__name__}, not a Tensor")
-        return items
+        return items, None
     raise TypeError(
         f"expected a model, a tree (dict) or tensors; got {type(x).__name__}"
     )
@@ -67,7 +84,8 @@ def global_norm(x, norm_type: float = 2.0) -> torch.Tensor:
     Raises:
         ValueError: a ``norm_type`` that is not a number > 0 or inf (checked first, with the
             message :func:`clip_by_global_norm` gives).
-        TypeError: ``x`` is none of the above, or an entry is not a tensor.
+        TypeError: ``x`` is none of the above, an entry is not a tensor, or one is sparse or
+            of an unsupported dtype (for a model or a tree, named by its path).
 
     Example:
         >>> import torch, torchstruct as ts
@@ -75,17 +93,19 @@ def global_norm(x, norm_type: float = 2.0) -> torch.Tensor:
         5.0
     """
     p = _reference.validate_norm_type(norm_type)
-    return _ops.global_norm(_tensors(x), p)
+    tensors, name_of = _tensors(x)
+    return _ops.global_norm(tensors, p, name_of)
 
 
-def _grads_to_clip(params) -> list[torch.Tensor]:
-    """The gradients ``clip_by_global_norm`` works on (see its docstring)."""
+def _grads_to_clip(params):
+    """The gradients ``clip_by_global_norm`` works on (see its docstring), and how an error
+    names gradient ``i`` (by path; None: by index)."""
     if isinstance(params, nn.Module):
-        return _model_grads(params)
-    if isinstance(params, dict):  # a tree of gradients: its leaves, a shared tensor once
-        return tree._distinct_leaves(params)
+        return _model_grads(params), _model_paths(params)
+    if isinstance(params, dict):  # a tree of gradients
+        return _tree_leaves(params)
     if isinstance(params, torch.Tensor):
-        return [params.grad] if params.grad is not None else []
+        return ([params.grad] if params.grad is not None else []), None
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
         is_generator = isinstance(params, types.GeneratorType)
         params = list(params)
@@ -100,7 +120,7 @@ def _grads_to_clip(params) -> list[torch.Tensor]:
                 g = p.grad
                 if g is not None:
                     grads.append(g)
-            return grads
+            return grads, None
         except AttributeError:
             for i, p in enumerate(params):
                 if not isinstance(p, torch.Tensor):
@@ -155,7 +175,8 @@ def clip_by_global_norm(
     Raises:
         ValueError: ``max_norm`` not a number, negative or NaN; bad ``norm_type`` (both
             checked before any gradient is read).
-        TypeError: a non-tensor entry, a sparse gradient, an unsupported dtype.
+        TypeError: a non-tensor entry, a sparse gradient, an unsupported dtype (for a model
+            or a tree, named by its path).
         RuntimeError: non-finite norm with ``error_if_nonfinite``; a device the compiled
             extension was not built for. Nothing is modified when anything is raised.
 
@@ -176,8 +197,9 @@ def clip_by_global_norm(
             norm = _ops.clip_grads_of(params, max_norm, norm_type)
             if norm is not None:
                 return norm
-        grads = _grads_to_clip(params)
-        return _ops.clip_by_global_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+        grads, name_of = _grads_to_clip(params)
+        return _ops.clip_by_global_norm_(grads, max_norm, norm_type, error_if_nonfinite,
+                                         name_of)
 
 
 clip_grad_norm_ = clip_by_global_norm

@@ -178,16 +178,16 @@ def _tie_keys(leaf: Tensor) -> tuple:
     return (id(leaf),) if memory is None else (id(leaf), memory)
 
 
-def _distinct_leaves(tree: Tree) -> list[Tensor]:
-    """The leaves of ``tree`` in the order of :func:`paths`, each tied tensor once (its first
-    path), as :func:`flatten` stores them."""
+def _distinct_items(tree: Tree) -> list[tuple[str, Tensor]]:
+    """``(path, leaf)`` of ``tree`` in the order of :func:`paths`, each tied tensor once (at
+    its first path), as :func:`flatten` stores them."""
     seen: set = set()
     out = []
-    for _, leaf in _walk(tree):
+    for path, leaf in _walk(tree):
         keys = _tie_keys(leaf)
         if seen.isdisjoint(keys):
             seen.update(keys)
-            out.append(leaf)
+            out.append((path, leaf))
     return out
 
 
