@@ -1103,5 +1103,7 @@ def test_optimizer_in_backward_with_per_parameter_clip_matches_torch():
     finally:
         for h in ha + hb:
             h.remove()
-    _same_params(a, b, exact=True)
+    # to rounding: the norm's summation order (and so its last bit, and the coefficient's)
+    # is torch's only where its vectorized reduction happens to add in the same order
+    _same_params(a, b, exact=False)
     assert all(float(o.last_grad_norm) > 0.05 for o in oa.values())

@@ -55,7 +55,11 @@ __all__ = ["MaskedOptimizer"]
 
 
 def _number(value, what: str) -> float:
+    """A hyper-parameter as a float: a number or a one-element tensor, never text (which
+    ``float()`` would read, and an LR scheduler would then fail on much later)."""
     try:
+        if isinstance(value, (str, bytes)):
+            raise TypeError
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         raise ValueError(f"{what} must be a number, got {value!r}") from None
@@ -73,7 +77,7 @@ def _max_grad_norm(value, name: str) -> Optional[float]:
 def _lr_scale(group: dict, where: str) -> float:
     """The group's ``lr_scale`` (default 1), checked: a finite number >= 0."""
     scale = group.get("lr_scale", 1.0)
-    if isinstance(scale, (bool, str, bytes)):
+    if isinstance(scale, bool):
         raise ValueError(f"{where}: lr_scale must be a number, got {scale!r}")
     value = _number(scale, f"{where}: lr_scale")
     if not (math.isfinite(value) and value >= 0):
