@@ -76,7 +76,7 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
         ``model.state_dict()``.
 
     Raises:
-        TypeError: ``model`` is not a module.
+        TypeError: ``model`` is not a module, ``buffers`` not a bool.
         ValueError: a trainable parameter is uninitialized (a lazy module before its first
             forward), naming its path.
 
@@ -89,6 +89,7 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"state_dict: expected an nn.Module, got {type(model).__name__}")
+    check_bool(buffers, "buffers", "state_dict")
     params = list(trainable_parameters(model))
     refuse_lazy("state_dict", params)  # no values to save or load yet
     out = {path: p.detach() for path, p in params}
@@ -175,7 +176,7 @@ def load_state_dict(
 
     Raises:
         TypeError: ``model`` is not a module, ``state`` not a mapping with string keys, or
-            ``strict`` not a bool.
+            ``strict`` or ``buffers`` not a bool.
         ValueError: unknown keys (with the closest paths), missing keys (``strict``), values of
             the wrong type, shape, dtype or device, or one tensor given twice (a tied parameter
             under two paths) with different values. Nothing is written.
@@ -195,6 +196,7 @@ def load_state_dict(
     if not isinstance(state, Mapping):
         raise TypeError(f"load_state_dict: state must be a mapping, got {type(state).__name__}")
     check_bool(strict, "strict", "load_state_dict")
+    check_bool(buffers, "buffers", "load_state_dict")
     bad_keys = [k for k in state if not isinstance(k, str)]
     if bad_keys:
         raise TypeError(f"load_state_dict: keys must be paths (str), got {bad_keys[0]!r}")
@@ -206,11 +208,14 @@ def load_state_dict(
     problems += [m for k, v in state.items() if k in targets if (m := _problem(k, v, targets[k]))]
     if not problems:
         problems += _aliases_differ(state, targets)
-    missing = []
-    if not problems:  # (a lazy trainable parameter: state_dict raises, naming it)
+    try:
         expected = state_dict(model, buffers=buffers)
-        given = {id(targets[k]) for k in state if k in targets}  # a tied tensor under any path
-        missing = [k for k in expected if k not in state and id(targets[k]) not in given]
+    except ValueError:  # a lazy trainable parameter: named, unless other problems are to tell
+        if not problems:
+            raise
+        expected = {}
+    given = {id(targets[k]) for k in state if k in targets}  # a tied tensor under any path
+    missing = [k for k in expected if k not in state and id(targets[k]) not in given]
     if strict and missing:
         problems.append(
             f"missing {len(missing)} key(s) of the trainable state: {missing[:5]}"
@@ -235,6 +240,17 @@ def _aliases_differ(state: Mapping, targets: dict) -> list[str]:
     out = []
     for k, v in state.items():
         prev = first.setdefault(id(targets[k]), k)
-        if prev != k and not torch.equal(state[prev].cpu(), v.cpu()):
+        if prev != k and not _same_values(state[prev], v):
             out.append(f"{prev!r} and {k!r} name the same tensor (tied) with different values")
     return out
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one shape and dtype hold the same values, NaN as NaN (a tied
+    parameter's entries in ``model.state_dict()``, which may hold NaN)."""
+    a, b = a.cpu(), b.cpu()
+    if torch.equal(a, b):
+        return True
+    if not (a.is_floating_point() or a.is_complex()):
+        return False
+    return bool(((a == b) | (a.isnan() & b.isnan())).all())

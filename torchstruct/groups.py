@@ -321,8 +321,8 @@ def _build(specs: list, slots: list, exempt: set, weight_decay) -> list[dict]:
 def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """ModuleLists / Sequentials of at least two blocks of one type, each with parameters."""
     found = []
-    for name, m in model.named_modules():
-        if not name or not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
+    for name, m in model.named_modules():  # the model itself too ("")
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) < 2:
             continue
         kinds = {type(block) for block in m}
         if len(kinds) == 1 and all(any(True for _ in b.parameters()) for b in m):
@@ -330,16 +330,21 @@ def _stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _prefix(path: str) -> str:
+    """What the paths below module ``path`` start with (``""`` for the model itself)."""
+    return f"{path}." if path else ""
+
+
 def _find_stack(model: nn.Module, layers) -> tuple[str, nn.Module]:
     if isinstance(layers, nn.Module):
-        name = next((n for n, m in model.named_modules() if m is layers and n), None)
+        name = next((n for n, m in model.named_modules() if m is layers), None)
         if name is None:
             raise ValueError(f"layer_decay: the given {type(layers).__name__} is not a "
                              f"submodule of the model")
         layers = name
-    if isinstance(layers, str):
+    if isinstance(layers, str):  # "": the model itself is the stack
         modules = dict(model.named_modules())
-        stack = modules.get(layers) if layers else None
+        stack = modules.get(layers)
         if stack is None:
             raise ValueError(f"layer_decay: layers={layers!r} is not a module of the model; "
                              f"closest: {_closest(layers, [n for n in modules if n])}")
@@ -354,7 +359,7 @@ def _find_stack(model: nn.Module, layers) -> tuple[str, nn.Module]:
     if not found:
         raise ValueError("layer_decay: the model has no nn.ModuleList or nn.Sequential of two "
                          "or more blocks of one type; name the layer stack with layers=")
-    inside = lambda n, o: n.startswith(o + ".")  # noqa: E731
+    inside = lambda n, o: n != o and n.startswith(_prefix(o))  # noqa: E731
     outer = [(n, m) for n, m in found if not any(inside(n, o) for o, _ in found)]
     if len(outer) > 1:  # side by side (an encoder and a decoder, two towers, a head)
         names = ", ".join(repr(n) for n, _ in outer)
@@ -383,10 +388,11 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
         model: the module.
         decay: the factor between neighbouring layers, in (0, 1].
         layers: the layer stack (an ``nn.ModuleList`` or ``nn.Sequential``), by path
-            (``"encoder.layer"``) or as the module. ``None`` finds it: the one list of at least
-            two blocks of one type that have parameters and lies in no other such list (lists
-            inside its blocks, such as per-head or per-expert lists, are ignored when they are
-            not longer than it).
+            (``"encoder.layer"``; ``""`` for the model itself) or as the module. ``None`` finds
+            it: the one list of at least two blocks of one type that have parameters and lies
+            in no other such list (lists inside its blocks, such as per-head or per-expert
+            lists, are ignored when they are not longer than it); the model itself when it is
+            such a list.
 
     Returns:
         A list of rules ``(selector, {"lr_scale": ..., "name": ...})``: one for the
@@ -417,15 +423,15 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
         raise ValueError(f"layer_decay: decay must be in (0, 1], got {decay!r}")
     decay = float(decay)
     name, stack = _find_stack(model, layers)
-    blocks = [f"{name}.{child}" for child, _ in stack.named_children()]
+    blocks = [_prefix(name) + child for child, _ in stack.named_children()]
     n = len(blocks)
     idx = index(model)
-    if not select(model, glob.escape(name), strict=False, idx=idx):
+    if not (select(model, glob.escape(name), strict=False, idx=idx) if name else len(idx)):
         raise ValueError(f"layer_decay: the layer stack {name!r} has no parameters (an empty "
                          f"list, or blocks without parameters); name another with layers=")
     before, after, seen_stack, loose = [], [], False, []
     for path, _ in idx:  # canonical paths: a tied parameter sits at its first path
-        if path.startswith(name + "."):
+        if path.startswith(_prefix(name)):
             seen_stack = True
             if not any(path.startswith(block + ".") for block in blocks):
                 loose.append(path)
