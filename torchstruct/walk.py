@@ -31,8 +31,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import _state
 from . import tree as _tree
 from ._checks import check_callable, refuse_lazy
+from ._reference import validate_writable
 from .blocks import refuse_constant_writes
 from .declare import starting_flag, trainable_parameters
 from .select import _closest, index
@@ -179,16 +181,42 @@ def _check_pairs(pairs: Pairs, sources: list[torch.Tensor]) -> None:
             raise ValueError(f"polyak_update: sparse tensor at {path!r} is not supported")
 
 
+def _check_writable(pairs: Pairs) -> None:
+    """Refuse, before any write, a target parameter the update cannot write as itself: one a
+    ``swap`` block stands another tensor in for (the stand-in would be written, and the update
+    lost when the block ends), an inference tensor, one whose elements share memory."""
+    swapped = _state.replaced(p for _, p in pairs)
+    if swapped:
+        path = next(path for path, p in pairs if p is swapped[0])
+        raise RuntimeError(
+            f"polyak_update: inside a swap block that replaces target's parameter {path!r}: the "
+            f"update would write the stand-in, not the parameter. Update outside the block")
+    validate_writable([p for _, p in pairs], "polyak_update",
+                      lambda i: f"target's parameter {pairs[i][0]!r}")
+
+
+def _unaliased(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``sources``, each sharing memory with a target (another target parameter, a view of
+    one) copied first: every source is read as it was before the update."""
+    written = {t.untyped_storage().data_ptr() for t in targets}
+    return [s.clone() if s is not t and s.untyped_storage().data_ptr() in written else s
+            for t, s in zip(targets, sources)]
+
+
 @torch.no_grad()
 def _lerp(targets: list[torch.Tensor], sources: list[torch.Tensor], tau: float) -> None:
-    """``t.lerp_(s, tau)`` for all pairs: one ``_foreach_lerp_`` per (device, dtype) group."""
+    """``t.lerp_(s, tau)`` for all pairs: one ``_foreach_lerp_`` per (device, dtype) group;
+    ``tau`` 1 copies (``lerp`` would keep a NaN or inf of the target)."""
     groups: dict[tuple, tuple[list, list]] = {}
     for t, s in zip(targets, sources):
         ts_, ss = groups.setdefault((t.device, t.dtype), ([], []))
         ts_.append(t)
         ss.append(s)
     for ts_, ss in groups.values():
-        torch._foreach_lerp_(ts_, ss, tau)
+        if tau == 1.0:
+            torch._foreach_copy_(ts_, ss)
+        else:
+            torch._foreach_lerp_(ts_, ss, tau)
 
 
 def _frozen_by_hand(model: nn.Module) -> bool:
@@ -202,8 +230,11 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
     """``target <- (1 - tau) * target + tau * source`` over the trainable parameters of ``target``.
 
     In place, under ``torch.no_grad()``, in one fused pass (``torch._foreach_lerp_`` per
-    device and dtype). A tied parameter is updated once. Everything is validated before
-    anything is written: on error no parameter has changed.
+    device and dtype). A tied parameter is updated once. ``tau=1`` copies ``source`` (also
+    over a NaN or inf in ``target``) and ``tau=0`` writes nothing. Every source value is read
+    as it was before the call (a source sharing memory with a target parameter is copied
+    first). Everything is validated before anything is written: on error no parameter has
+    changed.
 
     Arguments:
         target: the module updated (its trainable parameters, tied ones once).
@@ -222,8 +253,10 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
             the target's (path named).
         TypeError: ``target`` is not a module, ``source`` neither module nor tree, or ``tau``
             not a number.
-        RuntimeError: inside a ``ts.constant`` block protecting a parameter it would update
-            (nothing is written).
+        RuntimeError: inside a ``ts.constant`` block protecting a parameter it would update,
+            or a ``ts.swap`` block replacing one; a target parameter that is an inference
+            tensor (outside ``inference_mode``) or whose elements share memory (nothing is
+            written).
 
     Example:
         >>> import torch, torch.nn as nn, torchstruct as ts
@@ -249,5 +282,8 @@ def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
     _check_pairs(pairs, sources)
     targets = [p for _, p in pairs]
     refuse_constant_writes("polyak_update", targets)
-    _lerp(targets, sources, tau)
+    _check_writable(pairs)
+    if tau == 0.0:  # keeps target as it is (a lerp would turn it NaN where source is inf)
+        return target
+    _lerp(targets, _unaliased(targets, sources), tau)
     return target
