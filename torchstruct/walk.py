@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import _state
+from . import _dtensor, _state
 from . import tree as _tree
 from ._checks import check_callable, refuse_lazy
 from ._reference import validate_writable
@@ -198,9 +198,18 @@ def _check_writable(pairs: Pairs) -> None:
 def _unaliased(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> list[torch.Tensor]:
     """``sources``, each sharing memory with a target (another target parameter, a view of
     one) copied first: every source is read as it was before the update."""
-    written = {t.untyped_storage().data_ptr() for t in targets}
-    return [s.clone() if s is not t and s.untyped_storage().data_ptr() in written else s
-            for t, s in zip(targets, sources)]
+    written = {_memory(t) for t in _dtensor.locals_(targets)}
+    return [s.clone() if s is not t and _memory(local) in written else s
+            for t, s, local in zip(targets, sources, _dtensor.locals_(sources))]
+
+
+def _memory(t: torch.Tensor):
+    """Where ``t``'s memory starts (its storage's), or its id where it has no storage to read
+    (a wrapper subclass): then it shares only with itself."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return ("id", id(t))
 
 
 @torch.no_grad()
