@@ -349,9 +349,15 @@ held_flags: list = []
 
 
 def _holding(p) -> list:
-    """The running ``structural_grad(wrt=)`` blocks that hold ``p``'s flag, oldest first."""
-    return [block for block in held_flags
-            if (hit := block.flags.get(id(p))) is not None and hit[0] is p]
+    """The running ``structural_grad(wrt=)`` blocks that hold ``p``'s flag, oldest first.
+    (A plain loop: dynamo cannot trace an assignment expression inside a comprehension, and
+    a held norm layer's hook runs this inside compiled forwards, ``fullgraph=True`` too.)"""
+    out = []
+    for block in held_flags:
+        hit = block.flags.get(id(p))
+        if hit is not None and hit[0] is p:
+            out.append(block)
+    return out
 
 
 def held_flag(p) -> bool | None:
