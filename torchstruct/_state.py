@@ -144,8 +144,14 @@ def replaced(tensors) -> list:
              if getattr(m, "stands_in", False) and not getattr(m, "aliases", True)]
     if not modes:
         return []
-    return [t for t in tensors
-            if any((hit := m.table.get(id(t))) is not None and hit[0] is t for m in modes)]
+    out = []
+    for t in tensors:  # (plain loops: dynamo cannot trace an assignment in a comprehension)
+        for m in modes:
+            hit = m.table.get(id(t))
+            if hit is not None and hit[0] is t:
+                out.append(t)
+                break
+    return out
 
 
 class _Lock:

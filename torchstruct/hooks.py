@@ -288,8 +288,11 @@ class State:
     def holds_module(self, module: nn.Module) -> bool:
         """Whether ``module`` (this very object) was in the tree at the last application, or
         was registered into it since."""
-        return any((ref := ids.get(id(module))) is not None and ref() is module
-                   for ids in (self.module_ids, self.added))
+        for ids in (self.module_ids, self.added):  # (a plain loop: traced by dynamo)
+            ref = ids.get(id(module))
+            if ref is not None and ref() is module:
+                return True
+        return False
 
     def live_members(self) -> set[int]:
         """Ids of the parameters of the last application that torchstruct still follows (a

@@ -119,7 +119,11 @@ def _grads_of(params: list) -> list:
         grads = _ops._C.grads_of(params)  # None when one needs a copy
         if grads is not None:
             return grads
-    return [g if (g := p.grad).stride() == p.stride() else _like(p, g) for p in params]
+    out = []
+    for p in params:  # (a plain loop: dynamo cannot trace an assignment in a comprehension)
+        g = p.grad
+        out.append(g if g.stride() == p.stride() else _like(p, g))
+    return out
 
 
 _MISSING = object()  # no state value there before (see MaskedOptimizer._write_state)
