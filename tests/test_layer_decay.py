@@ -171,3 +171,23 @@ def test_nested_stacks_of_one_size_take_the_outermost():
     model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList(Heads() for _ in range(3)))
     rules = ts.layer_decay(model, 0.5)
     assert [o["name"] for _, o in rules] == ["layer 0", "1.0", "1.1", "1.2"]
+
+
+def test_a_block_listed_several_times_counts_once():
+    """One block applied at several depths (shared weights): L counts distinct blocks, and the
+    shared parameters take the id of the first position (docs/groups.md)."""
+    blk = nn.Linear(4, 4)
+    model = nn.Sequential(nn.Linear(2, 4), nn.ModuleList([blk, blk, blk]), nn.Linear(4, 1))
+    rules = ts.layer_decay(model, 0.5)
+    assert [(o["name"], o["lr_scale"]) for _, o in rules] == [
+        ("layer 0", 0.25), ("1.0", 0.5), ("layer 2", 1.0)]
+    scales = scales_of(model, ts.param_groups(model, *rules))
+    assert scales["1.0.weight"] == 0.5 and scales["0.weight"] == 0.25
+
+
+def test_the_model_itself_as_the_stack():
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])
+    for layers in (None, "", model):
+        rules = ts.layer_decay(model, 0.5, layers=layers)
+        assert [(o["name"], o["lr_scale"]) for _, o in rules] == [
+            ("0", 0.125), ("1", 0.25), ("2", 0.5)]
