@@ -330,15 +330,17 @@ def ddp_wrapper(model: nn.Module) -> DistributedDataParallel | None:
     return None
 
 
-def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, tensor_loss: bool,
+def average_gradients(ddp: DistributedDataParallel, compute, *, tensor_loss: bool,
                       create_graph: bool) -> list:
-    """``compute()`` (this rank's gradients of ``params``, in order) averaged over the ranks of
-    ``ddp``, as ``backward()`` on the wrapper leaves them in ``.grad``.
+    """``compute()`` (``(params, grads)``: this rank's parameters asked for and their
+    gradients, in order), the gradients averaged over the ranks of ``ddp``, as ``backward()``
+    on the wrapper leaves them in ``.grad``.
 
     ``compute`` runs under ``ddp.no_sync()``: a forward there prepares no reduction, so
     ``autograd.grad`` leaves DDP's reducer ready for the next training step. Every rank learns
-    whether another one failed, or asks for other parameters, before any gradient is
-    exchanged, so an error on one rank is an error on all of them, never a hang. Parameters
+    whether another one failed (in ``compute``, or in the checks below), or asks for other
+    parameters, before any gradient is exchanged, so an error on one rank is an error on all
+    of them, never a hang. Parameters
     DDP was told to ignore (``_ddp_params_and_buffers_to_ignore``) keep their local gradient,
     as with ``backward()``.
 
@@ -349,11 +351,15 @@ def average_gradients(ddp: DistributedDataParallel, params: list, compute, *, te
             reduces through it; a plain average would differ); ``static_graph=True`` before the
             first training step; another rank failed; the ranks ask for different parameters.
     """
-    _check_plain_average(ddp, tensor_loss, create_graph)
-    error, grads = None, None
+    error, params, grads = None, [], None
+    try:  # (before no_sync, which turns the reduction it checks for off)
+        _check_plain_average(ddp, tensor_loss, create_graph)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it first
+        error = e
     with ddp.no_sync(), _buffers_synced_first(ddp, not tensor_loss):
         try:
-            grads = compute()
+            if error is None:
+                params, grads = compute()
         except Exception as e:  # noqa: BLE001 - every rank must hear of it first
             error = e
     _agree(ddp, error, params)
@@ -432,10 +438,16 @@ def _agree(ddp, error: BaseException | None, params: list) -> None:
     gradients could not be averaged (a collective of mismatched sizes crashes or hangs)."""
     position = {}
     for p in ddp.module.parameters():
-        position.setdefault(id(p), len(position) + 1)
-    at = [float(position.get(id(p), 0)) for p in params]
-    mine = [0.0 if error is None else 1.0, float(len(at)), sum(at), sum(a * a for a in at),
-            float(sum(p.numel() for p in params))]
+        position.setdefault(id(p), len(position))
+    asked = [0.0] * len(position)  # which of the module's parameters: compared whole
+    outside = 0.0
+    for p in params:
+        if id(p) in position:
+            asked[position[id(p)]] = 1.0
+        else:
+            outside += 1.0
+    mine = [0.0 if error is None else 1.0, float(len(params)), outside,
+            float(sum(p.numel() for p in params)), *asked]
     both = torch.tensor(mine + [-v for v in mine], dtype=torch.float64, device=_device(ddp))
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ddp.process_group)
     if error is not None:

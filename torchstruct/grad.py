@@ -340,20 +340,27 @@ def structural_grad(
     """
     check_bool(create_graph, "create_graph", "structural_grad")  # before the loss runs
     check_bool(retain_graph, "retain_graph", "structural_grad", none=True)
-    with _state.without_stand_ins():
-        asked = _asked(model, wrt)
-    if not callable(loss):
-        _check_loss(loss)  # a bad loss is a TypeError / ValueError everywhere, DDP or not
-    ddp = ddp_wrapper(model)
 
-    def local() -> list:
-        return _local(model, loss, asked, wrt, retain_graph, create_graph)
+    def prepared() -> Pairs:
+        with _state.without_stand_ins():
+            asked = _asked(model, wrt)
+        if not callable(loss):
+            _check_loss(loss)  # a bad loss is a TypeError / ValueError everywhere, DDP or not
+        return asked
 
+    ddp = ddp_wrapper(model) if isinstance(model, nn.Module) else None
     if ddp is None:
-        grads = local()
-    else:
-        grads = average_gradients(ddp, [p for _, p in asked], local,
-                                  tensor_loss=not callable(loss), create_graph=create_graph)
+        asked = prepared()
+        grads = _local(model, loss, asked, wrt, retain_graph, create_graph)
+        return _tree.from_flat_dict((path, g) for (path, _), g in zip(asked, grads))
+    asked = []
+
+    def local() -> tuple[list, list]:  # (under DDP every rank hears of an error here too:
+        asked[:] = prepared()          # a wrt= that fails on one rank, a bad loss on one)
+        return [p for _, p in asked], _local(model, loss, asked, wrt, retain_graph, create_graph)
+
+    grads = average_gradients(ddp, local, tensor_loss=not callable(loss),
+                              create_graph=create_graph)
     return _tree.from_flat_dict((path, g) for (path, _), g in zip(asked, grads))
 
 
