@@ -277,7 +277,13 @@ def test_trainer_masks_layer_decay_accumulation_autocast_match_torch(bf16):
 
     ours, opt = run(True)
     theirs, _ = run(False)
-    assert_close_models(ours, theirs, what=f"bf16={bf16}")
+    if bf16:  # a last-bit difference (AdamW's sqrt, the clip norm's summation order, which
+        # follows the CPU's vector width) becomes a bf16 rounding difference in the next
+        # forward: ~5e-5 after 6 steps at lr 1e-2. A wrong scale or mask moves ~1e-3 a step
+        for (path, p), q in zip(ours.named_parameters(), theirs.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-3, atol=2e-4, msg=f"bf16 {path}")
+    else:
+        assert_close_models(ours, theirs, what="bf16=False")
     emb = ours.transformer.wte.weight
     assert ours.lm_head.weight is emb
     assert torch.equal(emb[:40], init[:40])           # masked-out rows: same bits
