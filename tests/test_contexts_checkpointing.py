@@ -260,3 +260,14 @@ def test_hf_gpt2_reentrant_checkpointing_with_a_decorated_freeze_except():
         assert (out[False][k] is None) == (out[True][k] is None), k
         if out[False][k] is not None:
             torch.testing.assert_close(out[True][k], out[False][k], rtol=1e-5, atol=1e-7)
+
+
+def test_the_non_reentrant_recomputation_is_followed_on_this_torch():
+    """The generator torch's non-reentrant checkpoint recomputes through is found (its name
+    changed in torch 2.14): without it, recomputations after a context or block ends would run
+    with other flags (torchstruct then warns)."""
+    from torchstruct import _checkpoints
+
+    assert _checkpoints._GENERATOR is not None
+    assert getattr(torch.utils.checkpoint, _checkpoints._GENERATOR_NAME) in (
+        _checkpoints._GENERATOR, _checkpoints._generator)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
+import warnings
 
 import torch.utils.checkpoint
 from torch import nn
@@ -55,8 +57,26 @@ def modules_behind(fn, depth: int = 4):
 # looks up in its module at each call.
 _CHECKPOINT = torch.utils.checkpoint.CheckpointFunction
 _FORWARD = _CHECKPOINT.__dict__["forward"]
-_GENERATOR_NAME = "_checkpoint_without_reentrant_generator"
-_GENERATOR = getattr(torch.utils.checkpoint, _GENERATOR_NAME, None)
+
+
+def _generator_name() -> str | None:
+    """The module-level name under which torch's non-reentrant checkpoint calls the generator
+    that recomputes (``..._impl`` from torch 2.14 on; the old name is then a shim calling it),
+    provided ``checkpoint``'s own code calls it by that name; else None."""
+    cp = torch.utils.checkpoint
+    called = set()
+    for fn in (getattr(cp, "checkpoint", None), getattr(cp, "_checkpoint_impl", None)):
+        fn = inspect.unwrap(fn) if fn is not None else None  # (torch._disable_dynamo's wrapper)
+        called |= set(getattr(getattr(fn, "__code__", None), "co_names", ()))
+    for name in ("_checkpoint_without_reentrant_generator_impl",
+                 "_checkpoint_without_reentrant_generator"):
+        if name in called and callable(getattr(cp, name, None)):
+            return name
+    return None
+
+
+_GENERATOR_NAME = _generator_name()
+_GENERATOR = getattr(torch.utils.checkpoint, _GENERATOR_NAME) if _GENERATOR_NAME else None
 _COMPOSABLE = "torch.distributed._composable.checkpoint_activation"  # imports it by name
 _AROUND_LOCK = threading.Lock()
 _AROUND: dict = {}  # key -> around(forward, ctx, run_function, preserve_rng_state, *args)
@@ -88,21 +108,28 @@ def _set_recompute(key: str, capture) -> None:
     the forward's thread; what it appends to ``settle`` is called once the forward has
     returned), or stop (``capture`` None). Several compose, in the order they were first
     given."""
-    if _GENERATOR is None:  # pragma: no cover - a torch without the non-reentrant generator
+    if _GENERATOR is None:  # pragma: no cover - a torch whose checkpoint calls it otherwise
+        if capture is not None:
+            warnings.warn(
+                f"torchstruct cannot follow the recomputation of non-reentrant activation "
+                f"checkpoints (use_reentrant=False) on torch {torch.__version__}: a checkpoint "
+                f"whose forward runs inside a flag context or a stop_gradient / swap block and "
+                f"whose backward runs after it ends recomputes with the flags and tensors of "
+                f"then, and its gradients may be wrong. Run the backward inside the block, or "
+                f"use a torch version torchstruct supports", RuntimeWarning, stacklevel=4)
         return
     if capture is None:
         _RECOMPUTE.pop(key, None)
     else:
         _RECOMPUTE[key] = capture
     now = _generator if _RECOMPUTE else _GENERATOR
-    torch.utils.checkpoint._checkpoint_without_reentrant_generator = now
+    setattr(torch.utils.checkpoint, _GENERATOR_NAME, now)
     # torch's composable checkpoint imports the generator by name: its module gets it too,
     # once loaded (it holds the one in force when it was imported, put right at the next change)
     composable = sys.modules.get(_COMPOSABLE)
     if composable is not None and getattr(composable, _GENERATOR_NAME, None) in (
             _GENERATOR, _generator):
         setattr(composable, _GENERATOR_NAME, now)
-
 
 
 def _generator(fn, *rest, **kwargs):
