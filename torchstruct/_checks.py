@@ -5,6 +5,8 @@ Each check raises before its caller changes anything, naming the function and th
 """
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -27,6 +29,34 @@ def check_bool(value, name: str, who: str, *, none: bool = False):
         return value
     allowed = "True, False or None" if none else "True or False"
     raise TypeError(f"{who}: {name} must be {allowed}, got {type(value).__name__} {value!r}")
+
+
+_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def as_real(value) -> float | None:
+    """``value`` as a float where it is a real number: a Python or NumPy real, or a
+    one-element real tensor with data (torch's optimizers take a tensor ``lr``); else None.
+    A bool is not a number here (``True`` as a learning rate is a mistake)."""
+    if isinstance(value, torch.Tensor):
+        if (value.numel() != 1 or value.is_meta
+                or not (value.is_floating_point() or value.dtype in _INT_DTYPES)):
+            return None
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def as_int(value) -> int | None:
+    """``value`` as an int where it is an integer: a Python or NumPy integer, or a one-element
+    integer tensor (``operator.index``); else None (a bool too)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def refuse_while_exporting(who: str) -> None:

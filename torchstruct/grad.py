@@ -1043,6 +1043,7 @@ def value_and_grad(fn: Callable, model: nn.Module, *args, has_aux: bool = False,
     """
     if not callable(fn):
         raise TypeError(f"value_and_grad: fn must be callable, got {type(fn).__name__}")
+    check_bool(has_aux, "has_aux", "value_and_grad")
     seen: list = []
 
     def loss(m: nn.Module) -> torch.Tensor:

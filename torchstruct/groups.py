@@ -14,14 +14,12 @@ from __future__ import annotations
 import difflib
 import glob
 import math
-import numbers
 import re
 from collections.abc import Mapping
 
-import torch
 from torch import nn
 
-from ._checks import check_bool
+from ._checks import as_real, check_bool
 from .select import ParamIndex, _closest, index, select
 
 __all__ = ["param_groups", "layer_decay", "is_norm"]
@@ -34,7 +32,6 @@ _KNOWN_OPTIONS = frozenset({
     "t0", "decoupled_weight_decay", "momentum_decay", "etas", "step_sizes", "max_lr", "min_lr",
 })
 _RESERVED = ("params", "param_names")
-_INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 _TORCH_NORMS = tuple(
     cls for cls in (
@@ -125,11 +122,10 @@ def _auto_no_decay(model: nn.Module) -> list:
 def _check_number(value, what: str, where: str) -> float:
     """``value`` as a float: a real number, or a one-element real tensor (torch's optimizers take
     a tensor ``lr``); anything else raises."""
-    tensor = (isinstance(value, torch.Tensor) and value.numel() == 1
-              and (value.is_floating_point() or value.dtype in _INT_DTYPES))
-    if not tensor and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+    number = as_real(value)
+    if number is None:
         raise TypeError(f"param_groups: {where}: {what} must be a number, got {value!r}")
-    value = float(value)
+    value = number
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"param_groups: {where}: {what} must be a finite number >= 0, "
                          f"got {value!r}")
@@ -417,11 +413,12 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"layer_decay: expected an nn.Module, got {type(model).__name__}")
-    if isinstance(decay, bool) or not isinstance(decay, numbers.Real):
+    number = as_real(decay)
+    if number is None:
         raise TypeError(f"layer_decay: decay must be a number, got {decay!r}")
-    if not 0.0 < float(decay) <= 1.0:
+    if not 0.0 < number <= 1.0:
         raise ValueError(f"layer_decay: decay must be in (0, 1], got {decay!r}")
-    decay = float(decay)
+    decay = number
     name, stack = _find_stack(model, layers)
     blocks = [_prefix(name) + child for child, _ in stack.named_children()]
     n = len(blocks)

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import bisect
 import math
-import operator
 from collections.abc import Mapping
 
 from torch import nn
 
-from ._checks import check_bool
+from ._checks import as_int, check_bool
 from .contexts import exchange, freeze, freeze_except
 from .select import select
 
@@ -26,26 +25,15 @@ _EVERYTHING = object()  # a milestone that trains everything from then on
 
 
 def _milestone_step(key) -> int:
-    if isinstance(key, bool) or not hasattr(key, "__index__"):
+    step = as_int(key)
+    if step is None:
         raise TypeError(
             f"UnfreezeSchedule: milestone steps must be integers, got {key!r} "
             f"({type(key).__name__})"
         )
-    step = operator.index(key)
     if step < 0:
         raise ValueError(f"UnfreezeSchedule: milestone step {step} is negative")
     return step
-
-
-def _saved_int(value) -> int | None:
-    """``value`` as an int (a Python or NumPy integer, an integer tensor of one element), or
-    None."""
-    if isinstance(value, bool):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _nothing(path: str, param) -> bool:
@@ -239,14 +227,14 @@ class UnfreezeSchedule:
                 "UnfreezeSchedule.load_state_dict: expected a dict with keys 'step' and "
                 f"'milestones', got {state!r}"
             )
-        step = _saved_int(state["step"])
+        step = as_int(state["step"])
         if step is None or step < 0:
             raise ValueError(
                 "UnfreezeSchedule.load_state_dict: 'step' must be an integer >= 0, got "
                 f"{state['step']!r}"
             )
         saved = state["milestones"]
-        steps = [_saved_int(s) for s in saved] if isinstance(saved, (list, tuple)) else [None]
+        steps = [as_int(s) for s in saved] if isinstance(saved, (list, tuple)) else [None]
         if None in steps:
             raise ValueError(
                 "UnfreezeSchedule.load_state_dict: 'milestones' must be a list of integer "

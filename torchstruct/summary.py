@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from ._checks import refuse_lazy
+from ._checks import as_int, refuse_lazy
 from .declare import trainable_parameters
 
 __all__ = ["summary", "Summary", "Row"]
@@ -262,9 +262,9 @@ def summary(model: nn.Module, max_depth: int | None = None) -> Summary:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"summary: expected an nn.Module, got {type(model).__name__}")
-    if max_depth is not None and (
-        isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0
-    ):
+    depth = None if max_depth is None else as_int(max_depth)
+    if max_depth is not None and (depth is None or depth < 0):
         raise TypeError(f"summary: max_depth must be an integer >= 0 or None, got {max_depth!r}")
+    max_depth = depth
     root = _tree(model)
     return Summary(tuple(_rows(root, max_depth)), root.row.trainable, root.row.total)

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from . import _derivatives
-from ._checks import check_callable
+from ._checks import check_bool, check_callable
 
 __all__ = [
     "LeafSpec",
@@ -572,7 +572,7 @@ def from_module(model: nn.Module, *, buffers: bool = False) -> Tree:
         A tree of ``nn.Parameter`` (and buffer) objects.
 
     Raises:
-        TypeError: ``model`` is not an ``nn.Module``.
+        TypeError: ``model`` is not an ``nn.Module``, or ``buffers`` not a bool.
 
     Example:
         >>> import torch
@@ -586,6 +586,7 @@ def from_module(model: nn.Module, *, buffers: bool = False) -> Tree:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module; got {type(model).__name__}")
+    check_bool(buffers, "buffers", "tree.from_module")
     pairs = list(model.named_parameters())
     if buffers:
         seen = {id(p) for _, p in pairs}

@@ -145,6 +145,8 @@ def _check_tau(tau) -> float:
     if isinstance(tau, torch.Tensor):
         if tau.numel() != 1:
             raise ValueError(f"polyak_update: tau must be a number, got a tensor of shape {tuple(tau.shape)}")
+        if tau.is_meta:
+            raise TypeError("polyak_update: tau must be a number, got a meta tensor (no value)")
         tau = tau.item()
     if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
         raise TypeError(f"polyak_update: tau must be a number, got {type(tau).__name__}")

@@ -42,6 +42,7 @@ parameter: not read, not written, no new state, no step count, not part of the
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Dict, List, Optional
 
 import torch
@@ -205,9 +206,12 @@ class MaskedOptimizer(torch.optim.Optimizer):
         self.masks: Dict[torch.Tensor, torch.Tensor] = {}
         # ids of the parameters whose existing state was checked since construction or loading
         self._checked_state: set = set()
+        if masks is not None and not isinstance(masks, Mapping):
+            raise TypeError(f"{type(self).__name__}: masks must be a dict {{parameter or path: "
+                            f"bool tensor}}, got a {type(masks).__name__}")
         if masks:
             checked = {}
-            for p, mask in dict(masks).items():
+            for p, mask in masks.items():
                 p = self._param_named(p)
                 self._check_mask(p, mask, require_member=True)
                 checked[p] = mask
@@ -241,6 +245,7 @@ class MaskedOptimizer(torch.optim.Optimizer):
         ``param_names`` (``ts.param_groups``, ``named_parameters()``)."""
         param = self._param_named(param)
         if mask is None:
+            self._check_member(param)
             self.masks.pop(param, None)
             return
         self._check_mask(param, mask, require_member=True)
@@ -482,12 +487,20 @@ class MaskedOptimizer(torch.optim.Optimizer):
                     return f"parameter {j} of param group {gi} (shape {tuple(p.shape)})"
         return f"a tensor of shape {tuple(param.shape)} that is not a parameter of this optimizer"
 
-    def _check_mask(self, p, mask, require_member=False) -> None:
+    def _check_member(self, p) -> None:
+        """A mask's key: a parameter of this optimizer."""
         name = type(self).__name__
         if not isinstance(p, torch.Tensor):
             raise ValueError(f"{name}: masks must be keyed by parameters, got a {type(p).__name__}")
-        if require_member and not any(q is p for g in self.param_groups for q in g["params"]):
+        if not any(q is p for g in self.param_groups for q in g["params"]):
             raise ValueError(f"{name}: masks: {self._label(p)}")
+
+    def _check_mask(self, p, mask, require_member=False) -> None:
+        name = type(self).__name__
+        if require_member:
+            self._check_member(p)
+        elif not isinstance(p, torch.Tensor):
+            raise ValueError(f"{name}: masks must be keyed by parameters, got a {type(p).__name__}")
         label = self._label(p)
         if not isinstance(mask, torch.Tensor):
             raise ValueError(f"{name}: the mask of {label} is a {type(mask).__name__}, "
