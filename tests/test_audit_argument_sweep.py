@@ -401,7 +401,9 @@ def test_bool_flag_refuses_non_bool(call, name, value):
 def test_bool_flag_accepts_true_and_false(label, call, name, none_ok):
     for value in (True, False):
         m = make_model()
-        call(m, value)
+        out = call(m, value)
+        if hasattr(out, "__exit__"):  # a bare context call applies from now on: lift it (a
+            out.__exit__(None, None, None)  # constant / stop_gradient block is per thread)
 
 
 def test_value_and_grad_has_aux_text_false_minimal():
