@@ -571,8 +571,22 @@ def test_blocks_entered_and_left_by_a_selector_callable():
 @pytest.mark.parametrize("kind", ["stop_gradient", "swap"])
 def test_polyak_update_inside_a_block_does_what_the_same_torch_ops_do(kind, where):
     """``polyak_update`` moves values, a torch operation: inside ``stop_gradient`` it equals the
-    update outside; inside ``swap`` it reads and writes the stand-ins, as
-    ``torch._foreach_lerp_`` does in the same block (the parameters of a swapped target stay)."""
+    update outside; inside ``swap`` it reads a swapped source's stand-ins, as
+    ``torch._foreach_lerp_`` does in the same block, and refuses a swapped target (it would
+    write the stand-ins, not the parameters, as a ``ts.optim`` step there would), changing
+    nothing."""
+    if kind == "swap" and where == "target":
+        torch.manual_seed(0)
+        src, tgt = nn.Linear(3, 2), nn.Linear(3, 2)
+        stand = torch.zeros(2)
+        before = [p.detach().clone() for p in tgt.parameters()]
+        with ts.swap(tgt, {"bias": stand}), torch.no_grad():
+            with pytest.raises(RuntimeError, match="swap block that replaces target's"):
+                ts.polyak_update(tgt, src, 0.5)
+        assert all(torch.equal(a, b) for a, b in zip(tgt.parameters(), before))
+        assert torch.equal(stand, torch.zeros(2))
+        return
+
     def run(update):
         torch.manual_seed(0)
         src, tgt = nn.Linear(3, 2), nn.Linear(3, 2)
