@@ -127,15 +127,15 @@ def _predicate(
     sel, model: nn.Module, idx: ParamIndex, strict: bool
 ) -> Callable[[str, nn.Parameter], bool] | set[int]:
     """One selector -> a predicate over ``(path, param)`` or a set of parameter ids."""
-    if isinstance(sel, nn.Parameter):  # a foreign object is a mistake, never an empty match
-        if not any(p is sel for p in idx.params):
+    if isinstance(sel, nn.Parameter):
+        if strict and not any(p is sel for p in idx.params):
             raise ValueError(
                 f"selector: the given nn.Parameter (shape {tuple(sel.shape)}) is not a "
                 "parameter of the model"
             )
         return {id(sel)}
     if isinstance(sel, nn.Module):
-        if not any(m is sel for m in model.modules()):
+        if strict and not any(m is sel for m in model.modules()):
             raise ValueError(
                 f"selector: the given {type(sel).__name__} is not a submodule of the model "
                 "(modules are matched by identity; a copy or a new instance is another module)"
@@ -204,10 +204,9 @@ def select(
     Arguments:
         model: the module whose parameters are searched.
         *selectors: see the module docstring; several selectors are a union.
-        strict: when True (default), a string or regex selector that matches nothing, or
-            selectors (no callable among them) that together pick no parameter (modules
-            without parameters), raise; False allows such an empty match. A module or
-            parameter that does not belong to ``model`` raises either way.
+        strict: when True (default), a string or regex selector that matches nothing, a
+            module or parameter that does not belong to ``model``, or selectors (no callable
+            among them) that together pick no parameter (modules without parameters), raise.
         idx: a precomputed :func:`index` of ``model`` (to avoid walking it twice).
 
     Returns:
@@ -215,9 +214,9 @@ def select(
         once.
 
     Raises:
-        ValueError: a string or regex matching nothing (naming the closest existing paths),
-            or (always, also with ``strict=False``) a module/parameter that does not belong to
-            ``model`` (by identity) or an empty list/tuple of selectors.
+        ValueError: a string or regex matching nothing (naming the closest existing paths), a
+            module/parameter that does not belong to ``model`` (by identity), or an empty
+            list/tuple of selectors (always, also with ``strict=False``).
         TypeError: a selector of an unsupported type, a callable selector returning a tensor
             of one or more dimensions (the path named), or ``strict`` not a bool.
 
