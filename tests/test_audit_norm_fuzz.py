@@ -962,7 +962,7 @@ def test_polyak_update_matches_brute_force(backend, seed, tau, selectors, by_han
 
 @pytest.mark.parametrize("tau, exc", [(-0.1, ValueError), (1.5, ValueError), (float("nan"), ValueError),
                                       (INF, ValueError), ("0.5", TypeError), (True, TypeError),
-                                      (None, TypeError), (torch.tensor([0.1, 0.2]), ValueError)])
+                                      (None, TypeError), (torch.tensor([0.1, 0.2]), TypeError)])
 def test_polyak_update_bad_tau_changes_nothing(backend, tau, exc):
     target, source = tied_net(0), tied_net(1)
     old = [bits(p) for p in target.parameters()]

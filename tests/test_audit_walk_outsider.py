@@ -344,7 +344,7 @@ def test_polyak_accepts_number_like_tau(tau):
 
 @pytest.mark.parametrize("tau,exc", [
     (None, TypeError), ("0.5", TypeError), (True, TypeError), (torch.tensor(True), TypeError),
-    (0.5 + 0j, TypeError), ([0.5], TypeError), (torch.ones(2) / 2, ValueError),
+    (0.5 + 0j, TypeError), ([0.5], TypeError), (torch.ones(2) / 2, TypeError),
     (-1e-9, ValueError), (1.0000001, ValueError), (float("inf"), ValueError),
     (float("nan"), ValueError), (torch.tensor(float("nan")), ValueError),
 ])

@@ -1,6 +1,10 @@
 """Conventions: flat path-keyed dicts (state_dict / functional_call style) are accepted wherever
-a tree is, with the same answers; ts.clip_grad_norm_ is clip_by_global_norm."""
+a tree is, with the same answers; ts.clip_grad_norm_ is clip_by_global_norm; a number argument
+is read by one rule wherever it is taken."""
 import copy
+import fractions
+
+import numpy as np
 
 import pytest
 import torch
@@ -129,3 +133,38 @@ def test_a_state_dict_with_buffers_is_refused_by_name():
     params = {k: v for k, v in sd.items() if k in dict(model.named_parameters())}
     ts.polyak_update(model, params, 1.0)
     assert torch.equal(model[0].weight, other[0].weight)
+
+
+# ---------------------------------------------------------------- one rule for number arguments
+NUMBER_TAKERS = {  # the call with the number in place, and the error it raises for a non-number
+    "param_groups lr_scale": (lambda m, x: ts.param_groups(m, ("0", {"lr_scale": x})), TypeError),
+    "layer_decay decay": (lambda m, x: ts.layer_decay(m, x, layers=""), TypeError),
+    "polyak_update tau": (lambda m, x: ts.polyak_update(m, make(1), x), TypeError),
+    "optim lr": (lambda m, x: ts.optim.SGD(m.parameters(), lr=x), ValueError),
+    "optim lr_scale": (lambda m, x: ts.optim.SGD([{"params": m.parameters(), "lr_scale": x}],
+                                                 lr=0.1), ValueError),
+}
+NUMBER_LIKE = [0.5, np.float32(0.5), fractions.Fraction(1, 2), torch.tensor(0.5, dtype=torch.float64),
+               torch.tensor([0.5]), torch.tensor(1)]
+NOT_A_NUMBER = ["0.5", b"0.5", None, [0.5], 0.5 + 0j, torch.tensor(0.5 + 0j), torch.ones(2) / 2,
+                torch.tensor(0.5, device="meta"), torch.tensor(True)]
+
+
+@pytest.mark.parametrize("taker", sorted(NUMBER_TAKERS))
+@pytest.mark.parametrize("value", NUMBER_LIKE, ids=repr)
+def test_every_number_argument_takes_the_same_number_likes(taker, value):
+    call, _ = NUMBER_TAKERS[taker]
+    m = make()
+    call(m, value)
+
+
+@pytest.mark.parametrize("taker", sorted(NUMBER_TAKERS))
+@pytest.mark.parametrize("value", NOT_A_NUMBER, ids=repr)
+def test_every_number_argument_refuses_the_same_non_numbers_and_changes_nothing(taker, value):
+    call, error = NUMBER_TAKERS[taker]
+    m = make()
+    before = [(p.detach().clone(), p.requires_grad) for p in m.parameters()]
+    with pytest.raises(error, match="must be a"):
+        call(m, value)
+    assert all(torch.equal(p, v) and p.requires_grad == f
+               for p, (v, f) in zip(m.parameters(), before))

@@ -48,6 +48,15 @@ def as_real(value) -> float | None:
     return float(value)
 
 
+def describe(value) -> str:
+    """``value`` in an error message: a tensor by dtype and shape (its repr can be long, and a
+    meta tensor has no values), anything else by type and repr."""
+    if isinstance(value, torch.Tensor):
+        meta = "meta " if value.is_meta else ""
+        return f"a {meta}{value.dtype} tensor of shape {tuple(value.shape)}"
+    return f"{type(value).__name__} {value!r}"
+
+
 def as_int(value) -> int | None:
     """``value`` as an int where it is an integer: a Python or NumPy integer, or a one-element
     integer tensor (``operator.index``); else None (a bool too)."""

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from ._checks import as_real, check_bool
+from ._checks import as_real, check_bool, describe
 from .select import ParamIndex, _closest, index, select
 
 __all__ = ["param_groups", "layer_decay", "is_norm"]
@@ -124,7 +124,7 @@ def _check_number(value, what: str, where: str) -> float:
     a tensor ``lr``); anything else raises."""
     number = as_real(value)
     if number is None:
-        raise TypeError(f"param_groups: {where}: {what} must be a number, got {value!r}")
+        raise TypeError(f"param_groups: {where}: {what} must be a number, got {describe(value)}")
     value = number
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"param_groups: {where}: {what} must be a finite number >= 0, "
@@ -415,7 +415,7 @@ def layer_decay(model: nn.Module, decay: float, *, layers=None) -> list[tuple]:
         raise TypeError(f"layer_decay: expected an nn.Module, got {type(model).__name__}")
     number = as_real(decay)
     if number is None:
-        raise TypeError(f"layer_decay: decay must be a number, got {decay!r}")
+        raise TypeError(f"layer_decay: decay must be a number, got {describe(decay)}")
     if not 0.0 < number <= 1.0:
         raise ValueError(f"layer_decay: decay must be in (0, 1], got {decay!r}")
     decay = number

@@ -24,8 +24,6 @@ a ``state_dict``, see :mod:`torchstruct.tree`):
 """
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable
 
 import torch
@@ -33,7 +31,7 @@ from torch import nn
 
 from . import _dtensor, _state
 from . import tree as _tree
-from ._checks import check_callable, refuse_lazy
+from ._checks import as_real, check_callable, describe, refuse_lazy
 from ._reference import validate_writable
 from .blocks import refuse_constant_writes
 from .declare import starting_flag, trainable_parameters
@@ -142,17 +140,13 @@ def map_trainable(f: Callable, model: nn.Module, *trees: dict) -> dict:
 
 
 def _check_tau(tau) -> float:
-    if isinstance(tau, torch.Tensor):
-        if tau.numel() != 1:
-            raise ValueError(f"polyak_update: tau must be a number, got a tensor of shape {tuple(tau.shape)}")
-        if tau.is_meta:
-            raise TypeError("polyak_update: tau must be a number, got a meta tensor (no value)")
-        tau = tau.item()
-    if isinstance(tau, bool) or not isinstance(tau, numbers.Real):
-        raise TypeError(f"polyak_update: tau must be a number, got {type(tau).__name__}")
-    if not (0.0 <= tau <= 1.0) or math.isnan(tau):
-        raise ValueError(f"polyak_update: tau must be in [0, 1], got {tau}")
-    return float(tau)
+    value = as_real(tau)
+    if value is None:
+        raise TypeError("polyak_update: tau must be a real number or a one-element real tensor, "
+                        f"got {describe(tau)}")
+    if not 0.0 <= value <= 1.0:  # NaN fails too
+        raise ValueError(f"polyak_update: tau must be in [0, 1], got {value}")
+    return value
 
 
 def _source_tree(target: nn.Module, pairs: Pairs, source) -> list[torch.Tensor]:

@@ -48,6 +48,7 @@ from typing import Dict, List, Optional
 import torch
 
 from .. import _dtensor, _ops, _state
+from .._checks import as_real, describe
 from .._reference import (FLOAT_DTYPES, _is_non_overlapping_and_dense, _place, validate_max_norm,
                           result_dtype, validate_norm_type)
 from ..select import _closest
@@ -56,14 +57,15 @@ __all__ = ["MaskedOptimizer"]
 
 
 def _number(value, what: str) -> float:
-    """A hyper-parameter as a float: a number or a one-element tensor, never text (which
-    ``float()`` would read, and an LR scheduler would then fail on much later)."""
-    try:
-        if isinstance(value, (str, bytes)):
-            raise TypeError
-        return float(value)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{what} must be a number, got {value!r}") from None
+    """A hyper-parameter as a float: a real number or a one-element real tensor, as
+    ``_checks.as_real`` reads one, or a bool, which torch's optimizers read as 0 or 1 (so these
+    do too, as drop-ins); ``ValueError`` otherwise, as torch's optimizers raise for an invalid
+    hyper-parameter (text too, which ``float()`` would read and an LR scheduler would then fail
+    on much later)."""
+    number = float(value) if isinstance(value, bool) else as_real(value)
+    if number is None:
+        raise ValueError(f"{what} must be a number, got {describe(value)}")
+    return number
 
 
 def _max_grad_norm(value, name: str) -> Optional[float]:
@@ -78,7 +80,7 @@ def _max_grad_norm(value, name: str) -> Optional[float]:
 def _lr_scale(group: dict, where: str) -> float:
     """The group's ``lr_scale`` (default 1), checked: a finite number >= 0."""
     scale = group.get("lr_scale", 1.0)
-    if isinstance(scale, bool):
+    if isinstance(scale, bool):  # not torch's: a flag written in the wrong place
         raise ValueError(f"{where}: lr_scale must be a number, got {scale!r}")
     value = _number(scale, f"{where}: lr_scale")
     if not (math.isfinite(value) and value >= 0):
