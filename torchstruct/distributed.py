@@ -340,9 +340,8 @@ def average_gradients(ddp: DistributedDataParallel, compute, *, tensor_loss: boo
     ``autograd.grad`` leaves DDP's reducer ready for the next training step. Every rank learns
     whether another one failed (in ``compute``, or in the checks below), or asks for other
     parameters, before any gradient is exchanged, so an error on one rank is an error on all
-    of them, never a hang. Parameters
-    DDP was told to ignore (``_ddp_params_and_buffers_to_ignore``) keep their local gradient,
-    as with ``backward()``.
+    of them, never a hang. Parameters DDP was told to ignore
+    (``_ddp_params_and_buffers_to_ignore``) keep their local gradient, as with ``backward()``.
 
     Raises:
         ValueError: ``tensor_loss`` outside ``ddp.no_sync()`` (the forward already prepared a

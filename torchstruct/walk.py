@@ -194,16 +194,17 @@ def _check_writable(pairs: Pairs) -> None:
 def _unaliased(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> list[torch.Tensor]:
     """``sources``, each sharing memory with a target (another target parameter, a view of
     one) copied first: every source is read as it was before the update."""
-    written = {_memory(t) for t in _dtensor.locals_(targets)}
-    return [s.clone() if s is not t and _memory(local) in written else s
+    written = {_storage_key(t) for t in _dtensor.locals_(targets)}
+    return [s.clone() if s is not t and _storage_key(local) in written else s
             for t, s, local in zip(targets, sources, _dtensor.locals_(sources))]
 
 
-def _memory(t: torch.Tensor):
-    """Where ``t``'s memory starts (its storage's), or its id where it has no storage to read
-    (a wrapper subclass): then it shares only with itself."""
+def _storage_key(t: torch.Tensor):
+    """``t``'s storage (its device and where it starts), shared by every view of it whatever
+    part it covers (unlike ``tree._memory``, the very same view); or ``t``'s id where it has no
+    storage to read (a wrapper subclass): then it shares only with itself."""
     try:
-        return t.untyped_storage().data_ptr()
+        return (t.device, t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError, TypeError):
         return ("id", id(t))
 
