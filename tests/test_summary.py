@@ -277,6 +277,57 @@ def test_dtype_and_tied_parameters_break_a_run():
     assert [r.tied_to for r in s.rows if r.depth == 1] == [None, "0", "0"]
 
 
+def test_the_block_owning_a_tied_parameter_breaks_the_run_too():
+    m = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+    m[3].weight = m[1].weight  # block 1 owns it, block 3 reuses it
+    s = ts.summary(m)
+    assert [(r.name, r.repeat) for r in s.rows if r.depth == 1] == [
+        ("0", 1), ("1", 1), ("2", 1), ("3", 1)]
+    assert [r.tied_to for r in s.rows if r.tied_to] == ["1.weight"]
+    assert "1.weight" in {r.path for r in s.rows}
+    check_sums(s)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_tie_names_a_shown_row_and_counts_match_brute_force(seed):
+    """Random nested lists of identical blocks, some parameters tied and some modules reused
+    across them, some frozen: every ``tied_to`` names a row shown, and every module row shown
+    counts what a brute force counts (a run's row: all the blocks it stands for)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def pick(n):
+        return int(torch.randint(n, (), generator=g))
+
+    def block():
+        return nn.Sequential(nn.Linear(3, 3), nn.ModuleList(nn.Linear(3, 3) for _ in range(3)))
+
+    m = nn.ModuleList(block() for _ in range(2 + pick(4)))
+    linears = [x for x in m.modules() if isinstance(x, nn.Linear)]
+    for _ in range(pick(3)):
+        a, b = linears[pick(len(linears))], linears[pick(len(linears))]
+        b.weight = a.weight
+    for _ in range(pick(2)):
+        i, j = pick(len(m)), pick(len(m))
+        m[j][1][pick(3)] = m[i][0]  # a module reused in another block
+    for p in list(m.parameters())[: pick(3)]:
+        p.requires_grad_(False)
+    s = ts.summary(m)
+    shown = {r.path for r in s.rows}
+    assert all(r.tied_to in shown for r in s.rows if r.tied_to is not None), str(s)
+    brute = brute_counts(m)
+    real = {-1: [""]}  # depth -> the real module paths the last row at that depth stands for
+    for r in s.rows:  # a row under a run's row stands for its place in every block of the run
+        name = r.path.rsplit(".", 1)[-1]
+        names = [str(int(name) + k) for k in range(r.repeat)] if r.repeat > 1 else [name]
+        real[r.depth] = [f"{q}.{n}" if q else n for q in real[r.depth - 1] for n in names]
+        if r.is_param or r.tied_to is not None or r.depth == 0:
+            continue
+        want = [sum(c) for c in zip(*(brute[q] for q in real[r.depth]))]
+        assert [r.trainable, r.total] == want, (r.path, real[r.depth])
+    assert s.counts == brute[""]
+    check_sums(s)
+
+
 def test_nested_repeats_count_every_copy():
     def block():
         return nn.Sequential(nn.ModuleList([nn.Linear(3, 3) for _ in range(4)]), nn.LayerNorm(3))

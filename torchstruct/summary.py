@@ -132,6 +132,7 @@ class _Node:
     # some parameter of the subtree (with elements) trains / does not, tied ones included
     on: bool = False
     off: bool = False
+    repeats: bool = False  # a ModuleList / Sequential, whose runs of identical blocks fold
 
 
 def _tree(model: nn.Module) -> _Node:
@@ -180,22 +181,34 @@ def _tree(model: nn.Module) -> _Node:
         off_ = off_ or any(c.off for c in children)
         row = Row(path, name, type(mod).__name__, depth, trainable, total,
                   _module_mark(on_, off_))
-        node = _Node(row, children, (type(mod), tuple(sigs)), on_, off_)
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
-            node.children = _collapse(node.children)
-        return node
+        return _Node(row, children, (type(mod), tuple(sigs)), on_, off_,
+                     isinstance(mod, (nn.ModuleList, nn.Sequential)))
 
-    return walk(model, "", "", 0)
+    root = walk(model, "", "", 0)
+    _fold(root, {r.tied_to for r in _rows(root, None)} - {None})
+    return root
+
+
+def _fold(node: _Node, referred: set[str]) -> bool:
+    """Collapse the runs of identical blocks below ``node``, bottom up, except blocks showing a
+    row in ``referred`` (the first path of a parameter or module met again later: every
+    ``tied_to`` names a row shown); whether ``node``'s subtree shows such a row."""
+    pinned = [_fold(child, referred) for child in node.children]
+    if node.repeats:
+        node.children = _collapse(node.children, pinned)
+    return node.row.path in referred or any(pinned)
 
 
 def _scaled(node: _Node, n: int) -> _Node:
     """``node``'s subtree standing for ``n`` identical copies: counts times ``n``."""
     row = replace(node.row, trainable=node.row.trainable * n, total=node.row.total * n)
-    return _Node(row, [_scaled(c, n) for c in node.children], node.sig, node.on, node.off)
+    return _Node(row, [_scaled(c, n) for c in node.children], node.sig, node.on, node.off,
+                 node.repeats)
 
 
-def _collapse(children: list[_Node]) -> list[_Node]:
-    """Runs of consecutive child modules with equal signatures -> one node per run."""
+def _collapse(children: list[_Node], pinned: list[bool]) -> list[_Node]:
+    """Runs of consecutive child modules with equal signatures -> one node per run; a
+    ``pinned`` child is never part of a run."""
     out: list[_Node] = []
     i = 0
     while i < len(children):
@@ -204,6 +217,7 @@ def _collapse(children: list[_Node]) -> list[_Node]:
             j < len(children)
             and not children[i].row.is_param
             and children[i].row.tied_to is None
+            and not pinned[i] and not pinned[j]
             and children[j].sig == children[i].sig
         ):
             j += 1
