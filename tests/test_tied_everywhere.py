@@ -678,13 +678,7 @@ def test_optim_masks_on_tied_parameter_match_torch(opt_name, name):
     opt = getattr(ts.optim, opt_name)(m.parameters(), masks={m.get_parameter(second): mask}, **kw)
     ropt = getattr(torch.optim, opt_name)(ref.parameters(), foreach=False, **kw)
     start = tied.detach().clone()
-    for _ in range(3):
-        opt.zero_grad()
-        ropt.zero_grad()
-        loss(m).backward()
-        _copy_grads(m, ref)
-        opt.step()
-        ropt.step()
+    _step_both(3, loss, m, ref, opt, ropt)
     rt = ref.get_parameter(first)
     close(tied.detach(), torch.where(mask, rt.detach(), start), rtol=1e-5, atol=1e-6)
     assert torch.equal(tied[~mask], start[~mask])  # masked out: bitwise
@@ -695,6 +689,17 @@ def test_optim_masks_on_tied_parameter_match_torch(opt_name, name):
     key = "momentum_buffer" if opt_name == "SGD" else "exp_avg"
     assert st[key][~mask].eq(0).all()
     assert len(opt.state) == len(unique_params(m))
+
+
+def _step_both(n, loss, m, ref, opt, ropt):
+    """``n`` steps of ``opt`` on ``m`` and ``ropt`` on ``ref``, with the same gradients."""
+    for _ in range(n):
+        opt.zero_grad()
+        ropt.zero_grad()
+        loss(m).backward()
+        _copy_grads(m, ref)
+        opt.step()
+        ropt.step()
 
 
 @pytest.mark.parametrize("opt_name", ["SGD", "AdamW"])
@@ -708,13 +713,7 @@ def test_optim_tied_parameter_listed_twice_is_stepped_once(opt_name):
         warnings.simplefilter("ignore", UserWarning)  # torch warns about duplicates
         opt = getattr(ts.optim, opt_name)(dup, **kw)
     ropt = getattr(torch.optim, opt_name)(list(ref.parameters()), foreach=False, **kw)
-    for _ in range(2):
-        opt.zero_grad()
-        ropt.zero_grad()
-        loss(m).backward()
-        _copy_grads(m, ref)
-        opt.step()
-        ropt.step()
+    _step_both(2, loss, m, ref, opt, ropt)
     for p, q in zip(m.parameters(), ref.parameters()):
         close(p, q)
 
