@@ -316,7 +316,9 @@ class _SubstituteBlock(_Context):
 
     @run_eagerly
     def _apply(self) -> None:
-        mode = _Substitute(self._table(), self.own, type(self).__name__)  # validates first
+        table = self._table()
+        _refuse_scripted(type(self).__name__, self._args[0], table)
+        mode = _Substitute(table, self.own, type(self).__name__)  # validates first
         mode.aliases = self.aliases
         _checkpoints.watch_blocks(1)
         _state.push_stand_in(mode)
@@ -332,6 +334,25 @@ class _SubstituteBlock(_Context):
 
     def _sink_below(self, items: list) -> None:
         _sink_mode(_FUNCTION_MODES, self._mode, items)
+
+
+def _refuse_scripted(ctx: str, model: nn.Module, table: dict) -> None:
+    """``RuntimeError`` when a parameter the block acts on is used by a TorchScript module of
+    ``model``: its compiled code calls no Python torch function, so the block would not see
+    those uses (the parameter would get its gradient, or be used instead of its stand-in)."""
+    if not any(isinstance(mod, torch.jit.ScriptModule) for mod in model.modules()):
+        return  # (the common case: no paths built)
+    for path, mod in model.named_modules():
+        if not isinstance(mod, torch.jit.ScriptModule):
+            continue
+        for name, p in mod.named_parameters():
+            if id(p) in table:
+                where = f"the TorchScript module {path!r}" if path else "a TorchScript module"
+                raise RuntimeError(
+                    f"{ctx}: parameter {'.'.join(filter(None, [path, name]))!r} is used by "
+                    f"{where} ({mod.original_name}), whose compiled code calls no Python torch "
+                    f"function, so {ctx} would not act on it there. Use the eager module, or "
+                    "leave that module's parameters out of the block. Nothing was changed.")
 
 
 # (the stack, bottom first; pop its top; push on it): this thread's torch function modes and

@@ -182,6 +182,7 @@ def mark_trainable(module: nn.Module, *names: str | None) -> nn.Module:
         ``module``.
 
     Raises:
+        TypeError: ``module`` is not a module, or is a TorchScript module.
         ValueError: a name that is not a direct parameter or child (with the closest names).
 
     Example:
@@ -196,6 +197,11 @@ def mark_trainable(module: nn.Module, *names: str | None) -> nn.Module:
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"mark_trainable: expected an nn.Module, got {type(module).__name__}")
+    if isinstance(module, torch.jit.ScriptModule):
+        raise TypeError(
+            f"mark_trainable: a TorchScript module ({module.original_name}) holds no Python "
+            "attributes, so no declaration can be stored on it; declare on the eager module "
+            "(before scripting it), or on an eager module above it")
     mark = None if names == (None,) else _check_names(module, names, "mark_trainable")
     with _state.LOCK, hooks.attached_or_as_before(module):
         before = module.__dict__.get(_MARK)

@@ -17,6 +17,7 @@ import math
 import re
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from ._checks import as_real, check_bool, describe
@@ -52,7 +53,8 @@ def is_norm(module: nn.Module) -> bool:
     ``<digits>P`` or ``Gated`` (``LlamaRMSNorm``, ``T5LayerNorm``, ``LayerNorm2d``,
     ``GroupNorm32``, ``FrozenBatchNorm2d``, ``NemotronLayerNorm1P``, ``MambaRMSNormGated``), or
     in ``GRN`` (global response normalization: ``ConvNextV2GRN``; timm's
-    ``GlobalResponseNorm`` ends in ``Norm``).
+    ``GlobalResponseNorm`` ends in ``Norm``). A TorchScript module is read by the name of the
+    class it was scripted from (``original_name``).
 
     Arguments:
         module: a module instance (a class is not one: ``is_norm(nn.LayerNorm(4))``).
@@ -72,6 +74,8 @@ def is_norm(module: nn.Module) -> bool:
     if not isinstance(module, nn.Module):
         what = f"the class {module.__name__}" if isinstance(module, type) else type(module).__name__
         raise TypeError(f"is_norm: expected an nn.Module instance, got {what}")
+    if isinstance(module, torch.jit.ScriptModule):  # scripted: only the class name is left
+        return bool(_NORM_NAME.search(module.original_name))
     return isinstance(module, _TORCH_NORMS) or bool(_NORM_NAME.search(type(module).__name__))
 
 

@@ -202,6 +202,8 @@ class State:
                                          "floating-point parameters only). No flag was changed.")
                 if refuse:
                     refuse_inference_tensor(path, p)
+            if refuse and changes:
+                self._refuse_unholdable(changes, flags, idx.module_objects)
             for guard in _state.flag_guards if changes else ():
                 guard(changes, refuse)
             members = {}
@@ -216,6 +218,11 @@ class State:
                     if any(id(v) in moved for v in m._parameters.values()))
             self._release_leavers(members)
             self.members = members
+            if self.last and any(path not in self.last for ps in idx.paths for path in ps):
+                # parameters at new paths that no registration announced (a module slot
+                # written directly, as torch.ao.quantization's convert does): contexts
+                # count it as the tree growing, as they count a registration
+                self.registrations += 1
             # every path of a tied parameter: a conversion that unties it (new objects at
             # each path) gives each copy the record of the parameter it replaces
             self.last = {
@@ -330,13 +337,30 @@ class State:
             return False
         if not any(_frozen_by_us(p) for p in params):  # frozen by PEFT or by hand: plain
             return False
-        for entry in _state.entries:  # contexts whose scope holds the layer may opt out
-            scope = entry.scope()
-            if not entry.freeze_norm_stats and scope is not None and any(
-                m is mod for m in scope.modules()
-            ):
-                return False
-        return True
+        return not _context_opts_out(mod)
+
+    def _refuse_unholdable(self, changes: list, flags: dict, modules: list) -> None:
+        """``RuntimeError`` before any write when ``changes`` freeze every parameter of a
+        TorchScript normalization layer with running statistics: a ScriptModule takes no
+        Python hooks, so torchstruct could not hold its statistics (a training forward would
+        update them although the layer is frozen), unless its hold was opted out of."""
+        freezing = {id(p) for _, p, flag in changes if not flag}
+        layers = [m for m in modules if freezing and _scripted_stat_norm(m)]
+        off = _opted_out(self.root()) if layers else set()
+        for mod in layers:
+            params = list(mod.parameters())
+            if (id(mod) in off or _context_opts_out(mod)
+                    or not any(id(p) in freezing for p in params)
+                    or any(flags.get(id(p), p.requires_grad) for p in params)):
+                continue
+            path = next(n for n, m in self.root().named_modules() if m is mod)
+            raise RuntimeError(
+                f"cannot freeze the TorchScript {mod.original_name} at {path!r}: torchstruct "
+                "holds a frozen normalization layer's running statistics through Python "
+                "hooks, which a ScriptModule does not take, so a training forward would "
+                "update them. Use the eager module, put it in eval() and pass "
+                "freeze_norm_stats=False (to ts.attach or the context) to let PyTorch's own "
+                "rule apply, or keep one of its parameters trainable. No flag was changed.")
 
     def _sync_norm_hooks(self, modules: list[nn.Module]) -> None:
         want = {}
@@ -373,6 +397,25 @@ class State:
             if held is None or held[0]() is not mod:  # a hold begins: what it keeps, from now
                 _state.frozen_norms[key] = (weakref.ref(mod), getattr(mod, "momentum", None),
                                             list(_stats_version(mod)))
+
+
+def _context_opts_out(mod: nn.Module) -> bool:
+    """Whether a context entered with ``freeze_norm_stats=False`` holds ``mod`` in its scope."""
+    for entry in _state.entries:
+        scope = entry.scope()
+        if not entry.freeze_norm_stats and scope is not None and any(
+            m is mod for m in scope.modules()
+        ):
+            return True
+    return False
+
+
+def _scripted_stat_norm(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a TorchScript batch or instance norm that tracks running statistics
+    (scripted, it is no ``_NormBase``: its class name survives as ``original_name``)."""
+    return (isinstance(mod, torch.jit.ScriptModule)
+            and bool(getattr(mod, "track_running_stats", False))
+            and hasattr(mod, "running_mean"))
 
 
 def write_flag(p: nn.Parameter, flag: bool) -> None:

@@ -268,7 +268,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
                              f"param groups carry no param_names (build them with "
                              f"ts.param_groups or from named_parameters())")
         raise ValueError(f"{type(self).__name__}: masks: {key!r} names no parameter of this "
-                         f"optimizer; closest: {_closest(key, names)}")
+                         f"optimizer (a tied parameter goes by its first path, as "
+                         f"named_parameters() lists it); closest: {_closest(key, names)}")
 
     # -- state_dict: the masks travel with the state -------------------------
 
