@@ -1297,6 +1297,22 @@ def test_no_weight_decay_names_and_no_decay_selector_by_second_path():
     assert groups["default (no decay)"] == ["emb.weight"]
 
 
+@pytest.mark.parametrize("second", ["norm.weight", "lin.bias"])
+def test_no_decay_auto_exempts_a_tied_parameter_when_any_path_is_exempt(second):
+    """groups.md: a tied parameter is exempt when any of its paths is (a norm's weight, a bias),
+    as a rule selecting any of its paths takes it; its group lists it at its first path."""
+    m = nn.Module()
+    m.a = nn.Module()
+    m.a.scale = nn.Parameter(torch.ones(4))
+    m.norm, m.lin = nn.LayerNorm(4), nn.Linear(4, 4)
+    owner, name = second.split(".")
+    setattr(getattr(m, owner), name, m.a.scale)
+    groups = {g["name"]: g["param_names"] for g in ts.param_groups(m, weight_decay=0.1)}
+    assert "a.scale" in groups["default (no decay)"]
+    assert "a.scale" not in groups["default"]
+    assert sum(len(v) for v in groups.values()) == len(list(m.parameters()))
+
+
 def test_unfreeze_schedule_on_weight_tied_across_blocks():
     m, _ = make("modulelist")
     start = flags(m)
