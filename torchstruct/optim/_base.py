@@ -257,12 +257,18 @@ class MaskedOptimizer(torch.optim.Optimizer):
         """``key`` itself, or the parameter whose ``param_names`` entry is ``key`` (a str)."""
         if not isinstance(key, str):
             return key
-        names = []
+        names, found = [], []
         for group in self.param_groups:
             for name, p in zip(group.get("param_names", ()), group["params"]):
-                if name == key:
-                    return p
+                if name == key and not any(p is q for q in found):
+                    found.append(p)
                 names.append(name)
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise ValueError(f"{type(self).__name__}: masks: {key!r} names {len(found)} "
+                             f"parameters of this optimizer (param groups of several models); "
+                             f"give the parameter itself")
         if not names:
             raise ValueError(f"{type(self).__name__}: masks: {key!r} names no parameter: the "
                              f"param groups carry no param_names (build them with "
