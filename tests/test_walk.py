@@ -128,15 +128,26 @@ def test_polyak_source_tree_and_dtypes():
     assert target[2].weight.dtype == torch.float64
 
 
-def test_polyak_one_fused_call_per_group(monkeypatch):
+def test_polyak_one_fused_call_per_group_and_one_write(monkeypatch):
+    """One group: one in-place ``_foreach_lerp_``. Several (dtypes): one out-of-place
+    ``_foreach_lerp`` per group, then every parameter written by one ``_foreach_copy_``."""
     target, source = mlp(0), mlp(1)
+    calls = []
+    for name in ("_foreach_lerp_", "_foreach_lerp", "_foreach_copy_"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda a, b, *w, real=real, name=name:
+                            calls.append((name, len(a))) or real(a, b, *w))
+    ts.polyak_update(target, source, 0.1)
+    assert calls == [("_foreach_lerp_", 4)]
+    calls.clear()
     target[2].double()
     source[2].double()
-    calls = []
-    real = torch._foreach_lerp_
-    monkeypatch.setattr(torch, "_foreach_lerp_", lambda a, b, w: calls.append(len(a)) or real(a, b, w))
+    want = [(1 - 0.1) * p.detach() + 0.1 * q.detach()
+            for p, q in zip(target.parameters(), source.parameters())]
     ts.polyak_update(target, source, 0.1)
-    assert sorted(calls) == [2, 2]
+    assert calls == [("_foreach_lerp", 2), ("_foreach_lerp", 2), ("_foreach_copy_", 4)]
+    for p, w in zip(target.parameters(), want):
+        torch.testing.assert_close(p.detach(), w)
 
 
 @pytest.mark.parametrize("tau", [-0.1, 1.5, float("nan")])

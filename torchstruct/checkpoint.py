@@ -229,9 +229,9 @@ def load_state_dict(
         )
     writes = [(targets[k], v) for k, v in state.items() if v is not targets[k]]
     refuse_constant_writes("load_state_dict", [t for t, _ in writes])
-    with torch.no_grad():
-        for t, v in writes:
-            t.copy_(v)
+    if writes:  # one call: an error or a Ctrl-C lands before it or after it, never half way
+        with torch.no_grad():
+            torch._foreach_copy_([t for t, _ in writes], [v for _, v in writes])
     return IncompatibleKeys(missing, [])
 
 

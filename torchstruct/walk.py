@@ -211,18 +211,24 @@ def _storage_key(t: torch.Tensor):
 
 @torch.no_grad()
 def _lerp(targets: list[torch.Tensor], sources: list[torch.Tensor], tau: float) -> None:
-    """``t.lerp_(s, tau)`` for all pairs: one ``_foreach_lerp_`` per (device, dtype) group;
-    ``tau`` 1 copies (``lerp`` would keep a NaN or inf of the target)."""
+    """``t.lerp_(s, tau)`` for all pairs, written by one call, so that an error or a Ctrl-C
+    lands before the write or after it, never half way: ``tau`` 1 copies (``lerp`` would keep
+    a NaN or inf of the target); one (device, dtype) group lerps in place; several are each
+    lerped out of place (one fused ``_foreach_lerp`` per group), then copied in."""
+    if tau == 1.0:
+        torch._foreach_copy_(targets, sources)
+        return
     groups: dict[tuple, tuple[list, list]] = {}
     for t, s in zip(targets, sources):
         ts_, ss = groups.setdefault((t.device, t.dtype), ([], []))
         ts_.append(t)
         ss.append(s)
-    for ts_, ss in groups.values():
-        if tau == 1.0:
-            torch._foreach_copy_(ts_, ss)
-        else:
-            torch._foreach_lerp_(ts_, ss, tau)
+    if len(groups) == 1:
+        torch._foreach_lerp_(targets, sources, tau)
+        return
+    ordered = [t for ts_, _ in groups.values() for t in ts_]
+    torch._foreach_copy_(ordered, [v for ts_, ss in groups.values()
+                                   for v in torch._foreach_lerp(ts_, ss, tau)])
 
 
 def _frozen_by_hand(model: nn.Module) -> bool:
@@ -235,8 +241,9 @@ def _frozen_by_hand(model: nn.Module) -> bool:
 def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
     """``target <- (1 - tau) * target + tau * source`` over the trainable parameters of ``target``.
 
-    In place, under ``torch.no_grad()``, in one fused pass (``torch._foreach_lerp_`` per
-    device and dtype). A tied parameter is updated once. ``tau=1`` copies ``source`` (also
+    In place, under ``torch.no_grad()``, in one fused pass (``torch._foreach_lerp_``; where
+    the parameters span several devices or dtypes, computed per group first and written by one
+    copy, so that an error or a Ctrl-C never leaves the target half updated). A tied parameter is updated once. ``tau=1`` copies ``source`` (also
     over a NaN or inf in ``target``) and ``tau=0`` writes nothing. Every source value is read
     as it was before the call (a source sharing memory with a target parameter is copied
     first). Everything is validated before anything is written: on error no parameter has
