@@ -90,3 +90,14 @@ def one_process_group():
         yield init_device_mesh("cpu", (1,)), distribute_module
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of tiny models (the machine may be shared: more
+    threads only add contention), the count restored afterwards. Use it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

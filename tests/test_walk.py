@@ -187,3 +187,12 @@ def test_polyak_records_no_graph():
     assert all(p.grad_fn is None for p in target.parameters())
     target(torch.randn(2, 3)).sum().backward()  # still trainable leaves
     assert all(p.grad is not None for p in target.parameters())
+
+
+@pytest.mark.parametrize("tau", [0.5, 1.0])
+def test_polyak_with_every_target_parameter_frozen_by_a_context_writes_nothing(tau):
+    target, source = mlp(0), mlp(1)
+    t0 = params(target)
+    with ts.freeze(target):
+        assert ts.polyak_update(target, source, tau) is target
+    assert all(torch.equal(p, t0[n]) for n, p in target.named_parameters())

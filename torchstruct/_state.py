@@ -475,6 +475,10 @@ def state_of(root: nn.Module):
 # Attribute on an attached root: MARKED while its tree changed since its last application (a
 # registration). Compiled code reads it, and guards on it: see torchstruct.hooks._pre_forward.
 CHANGED = "_torchstruct_changed"
+# Attribute on a module below an attached root: MARKED while its pre-hook waits to apply a
+# registration made at or under it (see torchstruct.hooks.State.registered_into); a copy of the
+# module reads it as false, so that its copied hook does nothing in compiled code either.
+BELOW = "_torchstruct_below"
 
 
 class _Mark:

@@ -109,19 +109,19 @@ class State:
     def registered_into(self, module: nn.Module, value) -> None:
         """``value`` (a parameter or module) was registered into ``module``, a module of this
         tree: until the next application, a module ``value`` brings counts as the tree's, and
-        a forward of ``module`` or of a module between it and the root applies first (the
-        root's own hook covers the root's forwards)."""
-        if isinstance(value, nn.Module):
+        a forward of ``value`` itself (a new block of a ``ModuleList`` called on its own), of
+        ``module`` or of a module between it and the root applies first (the root's own hook
+        covers the root's forwards)."""
+        new = isinstance(value, nn.Module)
+        if new:
             for parent in value.modules():
                 self.added[id(parent)] = weakref.ref(parent)
                 if self.parents is not None:
                     for child in parent._modules.values():
                         if child is not None:
                             self.parents[id(child)] = weakref.ref(parent)
-            if self.parents is not None:
-                self.parents[id(value)] = weakref.ref(module)
         root = self.root()
-        if root is None or module is root or self.hook is None:
+        if root is None or self.hook is None or (module is root and not new):
             return
         if self.parents is None:
             self.parents = {}
@@ -132,15 +132,21 @@ class State:
                     if child is not None and id(child) not in self.parents:
                         self.parents[id(child)] = weakref.ref(mod)
                         stack.append(child)
-        mod = module
+        if new:  # (registered before it is in ``module``'s dictionary: not found by a walk)
+            self.parents[id(value)] = weakref.ref(module)
+        mod = value if new else module
         while mod is not None and mod is not root and id(mod) not in self.below:
-            self.below[id(mod)] = mod.register_forward_pre_hook(_pre_forward_below)
+            self.below[id(mod)] = (mod.register_forward_pre_hook(_pre_forward_below),
+                                   weakref.ref(mod))
+            mod.__dict__[_state.BELOW] = _state.MARKED
             ref = self.parents.get(id(mod))
             mod = ref() if ref is not None else None
 
     def _drop_below(self) -> None:
-        for handle in self.below.values():
+        for handle, ref in self.below.values():
             handle.remove()
+            if (mod := ref()) is not None:
+                mod.__dict__.pop(_state.BELOW, None)
         self.below, self.parents = {}, None
 
     def apply(self, refuse: bool = True,
@@ -746,9 +752,11 @@ def _pre_forward_below(module: nn.Module, _args) -> None:
     """On a module below an attached root, while a registration into the tree at or under
     ``module`` waits for an application (see :meth:`State.registered_into`): apply it now,
     before ``module``'s forward runs on its own (``model.encoder(x)``). Outside compiled code
-    (a graph break there, only while the change waits); not while ``torch.export`` traces."""
-    if not _is_exporting():
-        _apply_below(module)
+    (a graph break there, only while the change waits; a copy of the module, whose mark
+    reads false, has no state and breaks nothing); not while ``torch.export`` traces."""
+    if _is_exporting() or (_is_compiling() and not getattr(module, _state.BELOW, False)):
+        return
+    _apply_below(module)
 
 
 @torch.compiler.disable

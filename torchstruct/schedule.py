@@ -21,7 +21,17 @@ from .select import select
 
 __all__ = ["UnfreezeSchedule"]
 
-_EVERYTHING = object()  # a milestone that trains everything from then on
+class _Everything:
+    """A milestone that trains everything from then on: one object, also through a copy."""
+
+    def __reduce__(self):
+        return "_EVERYTHING"  # pickled by name: the module's own object comes back
+
+    def __repr__(self) -> str:
+        return "everything"
+
+
+_EVERYTHING = _Everything()
 
 
 def _milestone_step(key) -> int:
@@ -139,6 +149,7 @@ class UnfreezeSchedule:
         )
         self._context = None
         self._closed = False
+        self._copy = False  # a copy (deepcopy, pickle) governs no model
         self._stage = 0
         self._step = 0
         self._next = -1  # the step of the next milestone; -1: not applied yet
@@ -181,6 +192,26 @@ class UnfreezeSchedule:
             f"milestones={list(self._steps)})"
         )
 
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self) -> dict:
+        """A copy (``copy.deepcopy``, ``pickle``, ``torch.save``) keeps the step, the stage and
+        the milestones, and governs no model: the context holding the flags belongs to this
+        schedule and its model, and a copied model starts from the flags copied with it, the
+        stage's frozen ones included, which no context of a copy could tell from the user's.
+        Its :meth:`state_dict` works; :meth:`step`, :meth:`load_state_dict` and :meth:`close`
+        raise, saying how to go on (a new schedule on the copied model, loaded from it)."""
+        state = dict(self.__dict__)
+        state["_context"], state["_copy"] = None, True
+        return state
+
+    def _refuse_copy(self, what: str) -> None:
+        if self._copy:
+            raise RuntimeError(
+                f"UnfreezeSchedule.{what}: this schedule is a copy (copy.deepcopy, pickle), "
+                "which governs no model (a copied model carries the flags it was copied with). "
+                "Build ts.UnfreezeSchedule(model, milestones) on the model to govern, from its "
+                "flags before any schedule froze them, and load_state_dict(this.state_dict()).")
+
     # ------------------------------------------------------------------ advancing
     def step(self) -> None:
         """Advance one step; at a milestone, unfreeze what it selects.
@@ -191,6 +222,7 @@ class UnfreezeSchedule:
             ValueError: with ``strict=True``, a selector of the new stage matches nothing in the
                 model any more (the model changed). Nothing changed.
         """
+        self._refuse_copy("step")
         step = self._step + 1
         if step < self._next:
             self._step = step
@@ -203,6 +235,7 @@ class UnfreezeSchedule:
 
         The schedule is unusable afterwards (:meth:`step` and :meth:`load_state_dict` raise).
         """
+        self._refuse_copy("close")
         if self._context is not None:
             self._context.__exit__(None, None, None)
         self._context, self._closed, self._next = None, True, -1
@@ -222,6 +255,7 @@ class UnfreezeSchedule:
                 milestone steps. Nothing changed.
             RuntimeError: the stage change is refused (DDP). Nothing changed.
         """
+        self._refuse_copy("load_state_dict")
         if not isinstance(state, Mapping) or set(state) != {"step", "milestones"}:
             raise ValueError(
                 "UnfreezeSchedule.load_state_dict: expected a dict with keys 'step' and "

@@ -215,6 +215,8 @@ def _lerp(targets: list[torch.Tensor], sources: list[torch.Tensor], tau: float) 
     lands before the write or after it, never half way: ``tau`` 1 copies (``lerp`` would keep
     a NaN or inf of the target); one (device, dtype) group lerps in place; several are each
     lerped out of place (one fused ``_foreach_lerp`` per group), then copied in."""
+    if not targets:  # (foreach ops refuse empty lists)
+        return
     if tau == 1.0:
         torch._foreach_copy_(targets, sources)
         return
