@@ -708,7 +708,7 @@ def test_polyak_bad_input_changes_nothing():
     bad_source.head = nn.Linear(3, 1).double()
     for tau, src, err in [(-0.1, source, ValueError), (1.5, source, ValueError),
                           (float("nan"), source, ValueError), (True, source, TypeError),
-                          ("0.5", source, TypeError), (torch.ones(2), source, ValueError),
+                          ("0.5", source, TypeError), (torch.ones(2), source, TypeError),
                           (0.5, bad_source, ValueError), (0.5, [1], TypeError),
                           (0.5, {"a": {"weight": torch.ones(3, 3)}}, ValueError)]:
         with pytest.raises(err):

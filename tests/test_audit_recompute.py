@@ -1040,6 +1040,36 @@ def test_nothing_of_torch_stays_patched_once_every_block_and_context_is_gone():
     assert tuc.CheckpointFunction.__dict__["forward"] is _checkpoints._FORWARD
 
 
+def test_a_block_left_active_in_a_thread_that_ended_does_not_keep_torch_patched():
+    """A generator suspended inside a block and closed from another thread leaves the block in
+    the thread that entered it (documented); once that thread has ended, the next block to
+    exit anywhere finds no block active and puts torch back."""
+    import threading
+
+    import torch.utils.checkpoint as tuc
+
+    from torchstruct import _checkpoints
+
+    m = mlp()
+
+    def owner():
+        def g():
+            with ts.stop_gradient(m, "0.weight"):
+                yield
+        gen = g()
+        next(gen)
+        closer = threading.Thread(target=lambda: pytest.raises(RuntimeError, gen.close))
+        closer.start()
+        closer.join()
+
+    t = threading.Thread(target=owner)
+    t.start()
+    t.join()
+    with ts.swap(m, {"2.weight": rand(4, 4, seed=2)}):
+        assert getattr(tuc, _checkpoints._GENERATOR_NAME) is not _checkpoints._GENERATOR
+    assert getattr(tuc, _checkpoints._GENERATOR_NAME) is _checkpoints._GENERATOR
+
+
 transformers = None
 try:
     import os

@@ -15,6 +15,7 @@ import inspect
 import sys
 import threading
 import warnings
+import weakref
 
 import torch.utils.checkpoint
 from torch import nn
@@ -181,7 +182,10 @@ def records_nothing(args) -> bool:
 # Why the forward is wrapped for the flags: while a flag context is active, or while a
 # recomputation that set flags back runs in some thread (a checkpoint nested in its function
 # runs its forward there, with no context active any more).
-_WANTED = {"contexts": False, "recomputing": 0, "blocks": 0}
+_WANTED = {"contexts": False, "recomputing": 0}
+# the blocks active per thread (a thread that ended with one active, a generator holding it
+# closed from another thread, no longer counts: its modes went with it)
+_BLOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LOCAL = threading.local()  # .running: this thread's recomputations, innermost last (flags)
 
 
@@ -204,11 +208,14 @@ def _want(contexts: bool | None = None, recomputing: int = 0, blocks: int = 0) -
         if contexts is not None:
             _WANTED["contexts"] = contexts
         _WANTED["recomputing"] += recomputing
-        _WANTED["blocks"] += blocks
+        if blocks:
+            me = threading.current_thread()
+            _BLOCKS[me] = _BLOCKS.get(me, 0) + blocks
         on = _WANTED["contexts"] or _WANTED["recomputing"] > 0
         _set("flags", _remember_flags if on else None)
         _set_recompute("flags", _flags_kept if on else None)
-        _set_recompute("blocks", _blocks_kept if _WANTED["blocks"] > 0 else None)
+        blocks_on = any(n > 0 and t.is_alive() for t, n in list(_BLOCKS.items()))
+        _set_recompute("blocks", _blocks_kept if blocks_on else None)
 
 
 def _remember_flags(forward, ctx, run_function, preserve_rng_state, *args):
