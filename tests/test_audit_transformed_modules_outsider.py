@@ -384,6 +384,37 @@ def test_param_groups_of_a_script_module_match_the_eager_original():
     assert by_name(ts.param_groups(s, weight_decay=0.1)) == by_name(ts.param_groups(m, weight_decay=0.1))
 
 
+def test_a_traced_batchnorm_frozen_in_an_attached_model_is_refused_too():
+    """A traced module keeps no constants (no ``track_running_stats``): it is known by its
+    ``running_mean`` buffer, and freezing it is refused as for a scripted one."""
+    m = nn.Sequential(nn.Linear(3, 3), torch.jit.trace(nn.BatchNorm1d(3), torch.randn(4, 3)))
+    before = m[1].running_mean.clone()
+    with pytest.raises(RuntimeError, match="cannot freeze the TorchScript BatchNorm1d at '1'"):
+        ts.freeze(m, "1")
+    m.train()
+    m(torch.randn(8, 3))
+    assert all(p.requires_grad for p in m.parameters())
+    assert not torch.equal(m[1].running_mean, before)  # plain PyTorch: it trains
+
+
+@pytest.mark.parametrize("where", ["root", "below"])
+def test_a_scripted_module_put_into_an_attached_model_is_registered_as_any_module(where):
+    """A ScriptModule takes no Python hooks: registered into an attached model (at the root or
+    below it), the hooks go on its eager parents, and the next forward applies as usual."""
+    m = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
+    ts.attach(m)
+    with ts.freeze_except(m, "1"):
+        part = torch.jit.script(nn.Linear(2, 2))
+        if where == "root":
+            m.append(part)
+        else:
+            m[0].append(part)
+        m(torch.randn(3, 2))
+        assert not part.weight.requires_grad  # frozen by the block at the forward
+        assert [p.requires_grad for p in m[1].parameters()] == [True, True]
+    assert part.weight.requires_grad
+
+
 def _jit_variant(kind):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))

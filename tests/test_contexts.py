@@ -1,5 +1,7 @@
 """Tests for torchstruct.contexts: freeze / freeze_except / unfreeze and frozen norm stats."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -590,3 +592,30 @@ def test_unrelated_model_contexts_are_not_re_evaluated():
     assert b[0].weight.requires_grad is True
     assert calls == []  # a shares nothing with b: its selectors need not run
     assert a[0].bias.requires_grad is False and a[0].weight.requires_grad is True
+
+
+@pytest.mark.parametrize("how", ["registered", "slot written, then a forward"])
+def test_a_change_made_before_a_block_and_applied_by_its_entry_is_not_reported_at_exit(how):
+    """The block's own entry applies what was added before it (a registration no forward has
+    applied yet, a module slot written directly): nothing was added inside the block, so its
+    exit warns of nothing; a module slot written inside it is reported."""
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    ts.attach(m)
+    if how == "registered":
+        m.head = nn.Linear(2, 2)
+    else:
+        m._modules["head"] = nn.Linear(2, 2)
+        m(torch.randn(1, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ts.RestoredFlagsWarning)
+        with ts.freeze(m, "0"):
+            assert [p.requires_grad for p in m.parameters()] == [False, False, True, True, True, True]
+        m._modules["tail"] = nn.Linear(2, 2)
+        schedule = ts.UnfreezeSchedule(m, {0: "1", 1: None})  # (its first stage finds it)
+        assert not m.tail.weight.requires_grad
+        schedule.step()  # so leaving that stage reports nothing
+    with pytest.warns(ts.RestoredFlagsWarning, match="'0.weight'"):
+        with ts.freeze_except(m, "1"):
+            m[1]._modules["extra"] = nn.Linear(2, 2)
+            ts.attach(m)
+    assert all(p.requires_grad for p in m.parameters())

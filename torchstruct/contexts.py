@@ -242,7 +242,6 @@ def push(entry: Entry) -> None:
     with _changing_entries(), hooks.attached_or_as_before(entry.scope()):
         scope = entry.scope()
         _refuse_in_backward(entry)
-        entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
         entry.serial = _state.next_serial()
         _state.entries.append(entry)
         try:
@@ -254,8 +253,17 @@ def push(entry: Entry) -> None:
             finally:
                 entry.end()
             raise
+        _count_from_now(entry)
         _state.applied_through = entry.serial
         _remember_present(entry)
+
+
+def _count_from_now(entry: Entry) -> None:
+    """The registrations into ``entry``'s tree, counted once its own application has run: what
+    that application found (a module put in place by a direct slot write before the block) was
+    not added inside the block."""
+    scope = entry.scope()
+    entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
 
 
 def pop(entry: Entry) -> None:
@@ -307,8 +315,6 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
         if model is not None:  # a container changed by its own methods since: seen
             hooks.state_for(model).reshaped()
         for entry in news:  # a stage change continues the stage it replaces: its serial
-            scope = entry.scope()
-            entry.registrations = hooks.state_for(scope).registrations if scope is not None else 0
             entry.serial = olds[0].serial if olds else _state.next_serial()
         _state.entries[:] = _swapped(saved, olds, news)
         try:
@@ -321,6 +327,8 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
                 for entry in news:
                     entry.end()
             raise
+        for entry in news:
+            _count_from_now(entry)
         _state.applied_through = max([_state.applied_through] + [e.serial for e in news])
         try:  # what leaving the old stage may have undone, as a block's exit says it
             said = [_undone(entry, changes) for entry in olds]

@@ -134,20 +134,37 @@ class State:
                         stack.append(child)
         if new:  # (registered before it is in ``module``'s dictionary: not found by a walk)
             self.parents[id(value)] = weakref.ref(module)
-        mod = value if new else module
-        while mod is not None and mod is not root and id(mod) not in self.below:
-            self.below[id(mod)] = (mod.register_forward_pre_hook(_pre_forward_below),
-                                   weakref.ref(mod))
-            mod.__dict__[_state.BELOW] = _state.MARKED
+            self._hook_below(value)
+        mod = module
+        while mod is not None and mod is not root and (id(mod) not in self.below
+                                                       or not self.below[id(mod)]):
+            self._hook_below(mod)
             ref = self.parents.get(id(mod))
             mod = ref() if ref is not None else None
 
+    def _hook_below(self, mod: nn.Module) -> None:
+        """A pre-hook on ``mod`` applying the waiting change (once; not on a TorchScript
+        module, which takes no Python hooks: its eager parents carry the chain)."""
+        if id(mod) in self.below:
+            return
+        if isinstance(mod, torch.jit.ScriptModule):
+            self.below[id(mod)] = ()  # (the walk goes on above it)
+            return
+        self.below[id(mod)] = (mod.register_forward_pre_hook(_pre_forward_below),
+                               weakref.ref(mod))
+        mod.__dict__[_state.BELOW] = _state.MARKED
+
     def _drop_below(self) -> None:
-        for handle, ref in self.below.values():
+        below, self.below, self.parents = self.below, {}, None
+        others = [st for st in list(_state.states.values()) if st is not self and st.below]
+        for hooked in below.values():
+            if not hooked:
+                continue
+            handle, ref = hooked
             handle.remove()
-            if (mod := ref()) is not None:
-                mod.__dict__.pop(_state.BELOW, None)
-        self.below, self.parents = {}, None
+            mod = ref()
+            if mod is not None and not any(id(mod) in st.below for st in others):
+                mod.__dict__.pop(_state.BELOW, None)  # (another tree's hook still waits)
 
     def apply(self, refuse: bool = True,
               backward_done: bool = False) -> list[tuple[str, nn.Parameter, bool]]:
@@ -418,10 +435,9 @@ def _context_opts_out(mod: nn.Module) -> bool:
 
 def _scripted_stat_norm(mod: nn.Module) -> bool:
     """Whether ``mod`` is a TorchScript batch or instance norm that tracks running statistics
-    (scripted, it is no ``_NormBase``: its class name survives as ``original_name``)."""
+    (scripted or traced, it is no ``_NormBase``: it is known by its ``running_mean`` buffer)."""
     return (isinstance(mod, torch.jit.ScriptModule)
-            and bool(getattr(mod, "track_running_stats", False))
-            and hasattr(mod, "running_mean"))
+            and getattr(mod, "running_mean", None) is not None)  # (traced: no constants kept)
 
 
 def write_flag(p: nn.Parameter, flag: bool) -> None:

@@ -198,8 +198,9 @@ class UnfreezeSchedule:
         the milestones, and governs no model: the context holding the flags belongs to this
         schedule and its model, and a copied model starts from the flags copied with it, the
         stage's frozen ones included, which no context of a copy could tell from the user's.
-        Its :meth:`state_dict` works; :meth:`step`, :meth:`load_state_dict` and :meth:`close`
-        raise, saying how to go on (a new schedule on the copied model, loaded from it)."""
+        Its :meth:`state_dict` works and :meth:`close` lifts nothing; :meth:`step` and
+        :meth:`load_state_dict` raise, saying how to go on (a new schedule, loaded from it).
+        Like any attribute, ``model`` is copied with it."""
         state = dict(self.__dict__)
         state["_context"], state["_copy"] = None, True
         return state
@@ -235,7 +236,6 @@ class UnfreezeSchedule:
 
         The schedule is unusable afterwards (:meth:`step` and :meth:`load_state_dict` raise).
         """
-        self._refuse_copy("close")
         if self._context is not None:
             self._context.__exit__(None, None, None)
         self._context, self._closed, self._next = None, True, -1

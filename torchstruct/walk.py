@@ -211,13 +211,15 @@ def _storage_key(t: torch.Tensor):
 
 @torch.no_grad()
 def _lerp(targets: list[torch.Tensor], sources: list[torch.Tensor], tau: float) -> None:
-    """``t.lerp_(s, tau)`` for all pairs, written by one call, so that an error or a Ctrl-C
-    lands before the write or after it, never half way: ``tau`` 1 copies (``lerp`` would keep
-    a NaN or inf of the target); one (device, dtype) group lerps in place; several are each
-    lerped out of place (one fused ``_foreach_lerp`` per group), then copied in."""
+    """``t.lerp_(s, tau)`` for all pairs, so that an error or a Ctrl-C leaves every target
+    as it was or every one updated: ``tau`` 1 copies (``lerp`` would keep a NaN or inf of the
+    target), in one call; one (device, dtype) group lerps in place, in one call. Several
+    groups: the smaller ones are lerped out of place and copied in, then the largest lerps in
+    place, the others put back if that raises (memory: twice the smaller groups, not the
+    target). DTensors (no foreach copy for them) lerp group by group."""
     if not targets:  # (foreach ops refuse empty lists)
         return
-    if tau == 1.0:
+    if tau == 1.0 and not _dtensor.any_dtensor(targets):
         torch._foreach_copy_(targets, sources)
         return
     groups: dict[tuple, tuple[list, list]] = {}
@@ -225,12 +227,21 @@ def _lerp(targets: list[torch.Tensor], sources: list[torch.Tensor], tau: float) 
         ts_, ss = groups.setdefault((t.device, t.dtype), ([], []))
         ts_.append(t)
         ss.append(s)
-    if len(groups) == 1:
-        torch._foreach_lerp_(targets, sources, tau)
+    if len(groups) == 1 or _dtensor.any_dtensor(targets):
+        for ts_, ss in groups.values():
+            (torch._foreach_copy_(ts_, ss) if tau == 1.0 else torch._foreach_lerp_(ts_, ss, tau))
         return
-    ordered = [t for ts_, _ in groups.values() for t in ts_]
-    torch._foreach_copy_(ordered, [v for ts_, ss in groups.values()
-                                   for v in torch._foreach_lerp(ts_, ss, tau)])
+    order = sorted(groups.values(), key=lambda g: sum(t.numel() for t in g[0]))
+    *small, (big_t, big_s) = order
+    small_t = [t for ts_, _ in small for t in ts_]
+    staged = [v for ts_, ss in small for v in torch._foreach_lerp(ts_, ss, tau)]
+    saved = [t.clone() for t in small_t]
+    torch._foreach_copy_(small_t, staged)
+    try:
+        torch._foreach_lerp_(big_t, big_s, tau)
+    except BaseException:
+        torch._foreach_copy_(small_t, saved)
+        raise
 
 
 def _frozen_by_hand(model: nn.Module) -> bool:
@@ -243,9 +254,9 @@ def _frozen_by_hand(model: nn.Module) -> bool:
 def polyak_update(target: nn.Module, source, tau: float) -> nn.Module:
     """``target <- (1 - tau) * target + tau * source`` over the trainable parameters of ``target``.
 
-    In place, under ``torch.no_grad()``, in one fused pass (``torch._foreach_lerp_``; where
-    the parameters span several devices or dtypes, computed per group first and written by one
-    copy, so that an error or a Ctrl-C never leaves the target half updated). A tied parameter is updated once. ``tau=1`` copies ``source`` (also
+    In place, under ``torch.no_grad()``, in one fused pass (``torch._foreach_lerp_`` per
+    device and dtype; where there are several, the smaller groups are staged so that an error
+    or a Ctrl-C never leaves the target half updated). A tied parameter is updated once. ``tau=1`` copies ``source`` (also
     over a NaN or inf in ``target``) and ``tau=0`` writes nothing. Every source value is read
     as it was before the call (a source sharing memory with a target parameter is copied
     first). Everything is validated before anything is written: on error no parameter has
