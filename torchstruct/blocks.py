@@ -164,6 +164,9 @@ class _Substitute(TorchFunctionMode):
         self.wrapped = (torch._C._are_functorch_transforms_active()
                         and func is not torch.autograd.grad)
         values = self._replaced(args)
+        if values is not None and not torch.compiler.is_compiling() and _converting(
+                sys._getframe(1)):
+            return func(*args, **kwargs)  # see _converting
         new_args = args if values is None else tuple(values)
         new_kwargs = self._sub(kwargs) if kwargs else kwargs
         # a custom function's forward runs with both grad modes off; it may turn grad mode
@@ -279,6 +282,21 @@ def _caller(frame):
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_DYNAMO):
         frame = frame.f_back
     return frame
+
+
+def _converting(frame) -> bool:
+    """The torch call made from ``frame`` is a module conversion's ``fn(param)``
+    (``model.to()``, ``.half()``, ``.share_memory()``: ``Module._apply``): it acts on the
+    parameter itself, never on its stand-in, which ``Module._apply`` would otherwise write
+    into the module (``param.data = fn(stand_in)``)."""
+    frame = _caller(frame)
+    for _ in range(5):  # fn, a Tensor method in Python (share_memory_) and its handler
+        if frame is None:
+            return False
+        if frame.f_code is _MODULE_APPLY:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _whole_alias(t: Tensor, p: Tensor) -> bool:
@@ -655,7 +673,9 @@ class _RefuseRebind(TorchFunctionMode):
         hit = self.params.get(id(args[0])) if args and name in _REBINDS else None
         if hit is not None and hit[0] is args[0]:
             new, how = _REBINDS[name](args, _caller(sys._getframe(1)))
-            if how is not None and not _same_data(args[0], new):
+            with _state.without_stand_ins():  # the parameter's own memory
+                same = how is None or _same_data(args[0], new)
+            if not same:
                 raise RuntimeError(
                     f"constant: {how} would replace the values of parameter {hit[1]!r} inside "
                     "a ts.constant block"
@@ -827,7 +847,8 @@ class constant(_Context):
         check_bool(self._kwargs["strict"], "strict", "constant")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
         protected = [(path, p) for path, p in chosen if p.numel() or p.layout != torch.strided]
-        mode, rebind = _Guard(protected), _RefuseRebind(chosen)
+        with _state.without_stand_ins():  # the parameters' own memory, not a swap's stand-ins
+            mode, rebind = _Guard(protected), _RefuseRebind(chosen)
         _compile_caveats.warn_once()
         rebind.__enter__()
         mode.__enter__()

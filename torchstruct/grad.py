@@ -424,6 +424,8 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
                                    create_graph)
     else:
         leaves = {id(t) for t in _leaves(nodes)}
+        if loss.grad_fn is None:  # the loss is a leaf itself (a scalar parameter)
+            leaves.add(id(loss))
         reached = [i for i, (_, p) in enumerate(asked) if id(p) in leaves]
         if not reached:
             raise ValueError(_unreachable(asked))
