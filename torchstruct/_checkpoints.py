@@ -325,17 +325,28 @@ def _recompute(flags: tuple, run_function, *args, **kwargs):
                  if p.requires_grad is not flag and id(p) not in pinned]
     if not moved:
         return run_function(*args, **kwargs)
+    from . import _state
+
     running = _LOCAL.__dict__.setdefault("running", [])
     running.append(flags)
     _want(recomputing=1)
-    with torch._C.DisableTorchFunction():
+    with _state.LOCK, torch._C.DisableTorchFunction():
+        # what torchstruct knows of these flags: a context entered in the recomputation reads
+        # the flags set back as writes of someone else (which keeps them for the recomputation)
+        # and dates them; once the flags are restored, that knowledge is put back as it was
+        records = [(p, _state.record(p)) for p, _ in moved]
         for p, flag in moved:
             p.requires_grad_(flag)
     try:
         return run_function(*args, **kwargs)
     finally:
-        with torch._C.DisableTorchFunction():
+        with _state.LOCK, torch._C.DisableTorchFunction():
             for p, flag in moved:
                 p.requires_grad_(not flag)
+            for p, known in records:
+                if known is not None:
+                    _state.set_record(p, *known)
+                elif _state.handle(p) is not None:  # first written in the recomputation
+                    _state.set_record(p, p.requires_grad, p.requires_grad)
         running.pop()
         _want(recomputing=-1)

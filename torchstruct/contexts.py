@@ -69,10 +69,12 @@ class Entry:
     # when entered (what it selected; None: the whole tree)
     inside: frozenset | None = None
 
-    def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False
-               ) -> None:
+    def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False,
+               lenient: bool = False) -> None:
         """Record what the selectors pick among ``params`` of ``scope`` (indexed as ``idx``);
-        a callable selector is asked about these only."""
+        a callable selector is asked about these only. ``lenient`` (restoring: a context
+        exits): a selector that raises picks none of them, and nothing is recorded (the next
+        application asks again, and raises)."""
         if len(self.decided) > 2 * len(idx.params) + 64:  # forget parameters that are gone
             here = {id(p) for p in idx.params}
             self.decided = {k: v for k, v in self.decided.items() if k in here or (
@@ -83,12 +85,19 @@ class Entry:
             rows = [(p, ps) for p, ps in zip(idx.params, idx.paths) if id(p) in asked]
             idx = ParamIndex(tuple(p for p, _ in rows), tuple(ps for _, ps in rows),
                              idx.modules, idx.module_objects)
-        chosen = {id(p) for _, p in select(scope, *self.selectors, strict=strict, idx=idx)}
+        try:
+            chosen = {id(p) for _, p in select(scope, *self.selectors, strict=strict, idx=idx)}
+        except Exception:
+            if not lenient:
+                raise
+            return
         for p in params:
             self.decided[id(p)] = (p, id(p) in chosen)
 
-    def selected(self, scope: nn.Module, idx: ParamIndex, params: list, starts: dict) -> set[int]:
-        """Ids of ``params`` the selectors pick, deciding for those seen the first time."""
+    def selected(self, scope: nn.Module, idx: ParamIndex, params: list, starts: dict,
+                 lenient: bool = False) -> set[int]:
+        """Ids of ``params`` the selectors pick, deciding for those seen the first time
+        (``lenient``: see :meth:`decide`)."""
         if not self.selectors:
             return {id(p) for p in params}
         out, new = set(), []
@@ -105,8 +114,8 @@ class Entry:
             if hit:
                 out.add(id(p))
         if new:
-            self.decide(scope, idx, new)
-            out.update(id(p) for p in new if self.decided[id(p)][1])
+            self.decide(scope, idx, new, lenient=lenient)
+            out.update(id(p) for p in new if self.decided.get(id(p), (p, False))[1])
         return out
 
     def _decision(self, p) -> bool | None:
@@ -127,10 +136,11 @@ class Entry:
         hooks.release_kept(self, in_callback)
 
     def fold(self, flags: dict[int, bool], starts: dict, root: nn.Module,
-             root_index: ParamIndex) -> None:
+             root_index: ParamIndex, lenient: bool = False) -> None:
         """Fold this context into ``flags`` (parameter id -> flag of ``root``'s parameters,
         indexed as ``root_index``; ``starts`` as :func:`~torchstruct.declare.effective`),
-        within its scope, except for parameters whose flag someone wrote after it applied."""
+        within its scope, except for parameters whose flag someone wrote after it applied
+        (``lenient``: see :meth:`decide`)."""
         scope = self.scope()
         if scope is None:
             return
@@ -138,7 +148,7 @@ class Entry:
         params = [p for p in idx.params if id(p) in flags and starts[id(p)][1] < self.serial]
         if not params:
             return
-        chosen = self.selected(scope, idx, params, starts)
+        chosen = self.selected(scope, idx, params, starts, lenient)
         for p in params:
             i = id(p)
             if self.kind == "freeze" and i in chosen:
@@ -293,7 +303,8 @@ def _undone(entry: Entry, changes: list) -> dict:
     # parameter deleted and a buffer registered in its place registers nothing)
     left = _left_changed(entry, vanished_only=not grown)
     if entry.kind == "unfreeze":
-        return {"turned_on": [], "born": [], "left": [], "grown": grown, "left_on": left}
+        return {"turned_on": [], "born": [], "left": [], "grown": grown, "left_on": left,
+                "turned_off": [path for path, _, flag in changes if not flag] if grown else []}
     return {"turned_on": [path for path, _, flag in changes if flag] if grown else [],
             "born": _born_frozen(entry) if grown else [], "left": left, "grown": grown}
 
@@ -423,7 +434,8 @@ def _names(paths: list[str]) -> str:
 
 
 def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[str],
-                grown: bool = True, left_on: list[str] = ()) -> None:
+                grown: bool = True, left_on: list[str] = (), turned_off: list[str] = ()
+                ) -> None:
     """Leaving ``block`` (its name, for the message), in which modules were added (``grown``;
     else only ``left`` can be non-empty): a same-value ``requires_grad_(False)``
     written inside it (``get_peft_model`` freezing the base model) cannot be told apart from
@@ -431,7 +443,9 @@ def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[st
     the flag the block wrote (a parametrization such as ``weight_norm``) and stays frozen; a
     frozen parameter that left may have been replaced by something that copied its flag
     (``left_on``: a parameter an ``unfreeze`` block turned on that left, by something that
-    copied the True it had). Say so, naming the parameters."""
+    copied the True it had); leaving an ``unfreeze`` block, a same-value
+    ``requires_grad_(True)`` written inside it is undone (``turned_off``). Say so, naming the
+    parameters."""
     said = []
     if turned_on:
         said.append(
@@ -440,6 +454,14 @@ def warn_undone(block: str, turned_on: list[str], born: list[str], left: list[st
             "could not be told apart from the block's own and is undone: freeze them again "
             "after the block (ts.freeze(model, ...) without `with`), or make the change outside "
             "the block."
+        )
+    if turned_off:
+        said.append(
+            f"{len(turned_off)} parameter(s) return to requires_grad=False: "
+            f"{_names(turned_off)}. If code inside the block unfroze them on purpose, that "
+            "write could not be told apart from the block's own and is undone: unfreeze them "
+            "again after the block (ts.unfreeze(model, ...) without `with`), or make the change "
+            "outside the block."
         )
     if born:
         said.append(

@@ -270,7 +270,8 @@ def effective(
         root: the module whose declarations gate (its ancestors' are not consulted).
         last: ``path -> (starting flag, flag written, serial, record of the parameter)`` of the
             tree's last application.
-        lenient: an invalid declaration admits what it still names instead of raising.
+        lenient: an invalid declaration admits what it still names, and a context's selector
+            that raises picks none of the parameters it was asked about, instead of raising.
 
     Returns:
         ``(index, starts, effective flags)`` keyed by parameter id; ``starts`` holds what
@@ -283,7 +284,7 @@ def effective(
         starts = {id(p): starting_flag(p, path, last, present) for path, p in idx}
         flags = {i: s[0] for i, s in starts.items()}
         for entry in _state.entries:
-            entry.fold(flags, starts, root, idx)
+            entry.fold(flags, starts, root, idx, lenient)
     blocked = _blocked(root, lenient, idx.module_objects)
     for other, shared in _sharing(root, idx):  # one flag: every model holding it must admit it
         theirs = _blocked(other, lenient)

@@ -46,6 +46,23 @@ _NORM_OPTION = "_torchstruct_freeze_norm_stats"  # attribute on a module: attach
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 
 
+def _container_mark(m: nn.Module) -> tuple:
+    """What :meth:`State.reshaped` compares: a weak reference to the container, what
+    identifies its ``_modules`` and its length. A container's own ``del`` / ``pop`` put an
+    ``OrderedDict`` in place, which is known by a weak reference (a new dict may be at the
+    address of a freed one); the plain dict a module starts with, by its address (a freed
+    one is replaced only by such an ``OrderedDict``, or by a write into ``_modules`` that
+    bypasses registration, which the docs leave to ``ts.attach``)."""
+    mods = m._modules
+    key = id(mods) if type(mods) is dict else weakref.ref(mods)
+    return weakref.ref(m), key, len(mods)
+
+
+def _same_dict(mods: dict, key) -> bool:
+    """``mods`` is the dict :func:`_container_mark` saw."""
+    return id(mods) == key and type(mods) is dict if type(key) is int else key() is mods
+
+
 @dataclass(eq=False)
 class State:
     """What torchstruct keeps for one attached model (the root, held weakly; its parameters
@@ -86,7 +103,8 @@ class State:
         """Whether a container of the tree was changed by one of its own methods (``insert``,
         ``pop``, ``del m[i]``, which write its ``_modules`` without a registration) since the
         last application: the identity and length of each container's ``_modules`` (``del``
-        puts a new dict in place), not a walk of the tree. The next forward applies; unless
+        puts a new dict in place; see :func:`_container_mark`), not a walk of the tree. The
+        next forward applies; unless
         every change found only shrank a container (``pop``, ``del``), it counts as a
         registration (contexts see that the tree grew)."""
         changed = grown = False
@@ -94,7 +112,7 @@ class State:
             c = ref()
             if c is not None:
                 mods = c._modules
-                if id(mods) == key and len(mods) == n:
+                if len(mods) == n and _same_dict(mods, key):
                     continue
                 grown = grown or len(mods) >= n
             else:
@@ -257,8 +275,8 @@ class State:
             modules = idx.module_objects
             self.module_ids = {id(m): weakref.ref(m) for m in modules}
             self.added = {}
-            self.containers = tuple((weakref.ref(m), id(m._modules), len(m._modules))
-                                    for m in modules if isinstance(m, _CONTAINERS))
+            self.containers = tuple(_container_mark(m) for m in modules
+                                    if isinstance(m, _CONTAINERS))
             self._sync_norm_hooks(modules)
             self.dirty = False
             self._drop_below()

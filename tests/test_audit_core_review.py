@@ -1,0 +1,129 @@
+"""Flags after unusual sequences around contexts: each test states the rule of
+docs/freezing.md it checks, against a brute force of that rule or plain PyTorch.
+
+* a checkpoint's recomputation that enters a context of the checkpointed function (the flags
+  it set back for the recomputation are not taken for someone else's writes afterwards);
+* a container changed by its own methods again and again (``del`` then ``insert``), where a
+  new ``_modules`` dict may be at the address of a freed one;
+* an outer context whose callable selector raises on a parameter added inside an inner block:
+  the inner block's exit restores every flag it can, then raises;
+* leaving ``unfreeze`` after the tree grew: a write inside that cannot be told apart from the
+  block's own is undone with a warning naming it (as ``freeze`` does).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import torchstruct as ts
+
+
+def flags(m: nn.Module) -> dict:
+    return {n: p.requires_grad for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputation_entering_a_context_keeps_the_starting_flags(reentrant):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    before = flags(m)
+
+    @ts.freeze(m, "1")
+    def body(x):
+        return m[0](x)
+
+    outer = ts.freeze(m, "0")  # permanent
+    with ts.unfreeze(m, "0"):  # this step trains layer 0
+        x = torch.randn(3, 2, requires_grad=reentrant)
+        loss = m[1](checkpoint(body, x, use_reentrant=reentrant)).sum()
+    assert not m[0].weight.requires_grad
+    loss.backward()  # the recomputation sets layer 0 back on and enters body's context
+    assert flags(m) == {"0.weight": False, "0.bias": False, "1.weight": True, "1.bias": True}
+    assert [n for n, _ in ts.trainable_parameters(m)] == ["1.weight", "1.bias"]
+    outer.__exit__(None, None, None)
+    assert flags(m) == before  # every flag back to where it started
+    assert [n for n, _ in ts.trainable_parameters(m)] == list(before)
+
+
+def test_recomputation_keeps_a_write_made_between_forward_and_backward():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+
+    @ts.freeze(m, "1")
+    def body(x):
+        return m[0](x)
+
+    with ts.freeze(m, "1"):
+        loss = m[1](checkpoint(body, torch.randn(3, 2), use_reentrant=False)).sum()
+    m[0].weight.requires_grad_(False)  # the user's own write, after the forward
+    loss.backward()
+    assert flags(m) == {"0.weight": False, "0.bias": True, "1.weight": True, "1.bias": True}
+    with ts.freeze(m, "0"):
+        pass
+    assert not m[0].weight.requires_grad  # still the user's write: its new starting flag
+
+
+class _Declared(nn.Sequential):
+    def trainable(self):
+        return ["0", "1"]  # anything else is frozen
+
+
+def test_container_changed_by_its_own_methods_again_and_again():
+    m = _Declared(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    ts.attach(m)
+    x = torch.randn(1, 2)
+    for i in range(300):
+        del m[2]
+        m.insert(2, nn.Linear(2, 2))  # a new dict each time, often at a freed one's address
+        if i % 3 == 0:
+            m(x)
+            assert flags(m) == {"0.weight": True, "0.bias": True, "1.weight": True,
+                                "1.bias": True, "2.weight": False, "2.bias": False}, i
+            assert [n for n, _ in ts.trainable_parameters(m)] == [
+                "0.weight", "0.bias", "1.weight", "1.bias"]
+
+
+def test_inner_exit_restores_when_an_outer_callable_selector_raises():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    table = {"0.weight": True, "0.bias": True, "1.weight": False, "1.bias": False}
+    outer = ts.freeze(m, lambda path, p: table[path])  # permanent; knows only these paths
+    with pytest.raises(KeyError, match="2.weight"):
+        with ts.freeze(m, "1"):
+            m.append(nn.Linear(1, 1))
+    assert flags(m) == {"0.weight": False, "0.bias": False, "1.weight": True, "1.bias": True,
+                        "2.weight": True, "2.bias": True}
+    with pytest.raises(KeyError):  # the next application asks again
+        ts.trainable_parameters(m)
+    table.update({"2.weight": True, "2.bias": False})
+    outer.__exit__(None, None, None)
+    assert all(flags(m).values())
+
+
+def test_leaving_unfreeze_after_growth_names_the_flags_it_turns_off():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    m[0].requires_grad_(False)
+    ts.attach(m)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with ts.unfreeze(m):
+            m.append(nn.Linear(1, 1))
+            m[0].weight.requires_grad_(True)  # same value as the block's own write
+    assert flags(m) == {"0.weight": False, "0.bias": False, "1.weight": True, "1.bias": True,
+                        "2.weight": True, "2.bias": True}
+    said = [str(w.message) for w in seen if issubclass(w.category, ts.RestoredFlagsWarning)]
+    assert len(said) == 1 and "requires_grad=False" in said[0] and "'0.weight'" in said[0]
+
+
+def test_leaving_unfreeze_without_growth_undoes_a_same_value_write_silently():
+    # the documented limit ("the one write that cannot be seen"): no growth, no warning
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    m[0].requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ts.unfreeze(m):
+            m[0].weight.requires_grad_(True)
+            m[0].bias.requires_grad_(False)  # another value: it stands
+    assert flags(m) == {"0.weight": False, "0.bias": False, "1.weight": True, "1.bias": True}
