@@ -222,8 +222,8 @@ def scale_(tensors: Sequence[torch.Tensor], scale: torch.Tensor) -> None:
 def clip_by_global_norm_(grads: Sequence[torch.Tensor], max_norm: float,
                          norm_type: float = 2.0) -> torch.Tensor:
     """In place: ``grads`` scaled by ``min(max_norm / (norm + 1e-6), 1)`` where
-    ``norm`` is their global ``norm_type``-norm (accumulated in float32, or float64
-    with any float64 input); returns the norm in the promoted dtype of the grads,
+    ``norm`` is their global ``norm_type``-norm (accumulated as :func:`global_norm`
+    accumulates); returns the norm in the promoted dtype of the grads,
     on the first grad's device (``torch.tensor(0.0)`` for an empty list)."""
     p = validate_norm_type(norm_type)
     max_norm = validate_max_norm(max_norm)

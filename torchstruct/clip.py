@@ -103,7 +103,16 @@ def _grads_to_clip(params):
     if isinstance(params, nn.Module):
         return _model_grads(params), _model_paths(params)
     if isinstance(params, dict):  # a tree of gradients
-        return _tree_leaves(params)
+        grads, name_of = _tree_leaves(params)
+        for i, g in enumerate(grads):
+            if isinstance(g, nn.Parameter):
+                raise TypeError(
+                    f"clip_by_global_norm: {name_of(i)} is an nn.Parameter. A tree given here "
+                    "holds gradients, which are scaled in place; this one holds parameters "
+                    "(dict(model.named_parameters()), ts.tree.from_module), which would be "
+                    "rescaled themselves. Pass the model, or its parameters as a list, to clip "
+                    "their .grad. Nothing was changed.")
+        return grads, name_of
     if isinstance(params, torch.Tensor):
         return ([params.grad] if params.grad is not None else []), None
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):

@@ -47,7 +47,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .. import _dtensor, _ops, _state
+from .. import _dtensor, _ops, _reference, _state
 from .._checks import as_real, describe
 from .._reference import (FLOAT_DTYPES, _is_non_overlapping_and_dense, _place, validate_max_norm,
                           result_dtype, validate_norm_type)
@@ -165,6 +165,16 @@ def _same_mask(a, b) -> bool:
             and torch.equal(a.cpu(), b.cpu()))
 
 
+
+def _overflowed_on_cpu(total: torch.Tensor, grads: list) -> bool:
+    """The compiled kernels sum float32 squares in float32 lanes: a scaled gradient's squares
+    (past ~1.8e19) may overflow there where the float64 sum fits. On the CPU (where reading
+    the result costs no device sync) a norm that came out inf or NaN is taken again in float64
+    (:mod:`torchstruct._reference`: exact, and inf or NaN again only if a gradient is)."""
+    return (not torch.compiler.is_compiling() and total.device.type == "cpu"
+            and all(type(g) is torch.Tensor for g in grads) and not bool(torch.isfinite(total)))
+
+
 class MaskedOptimizer(torch.optim.Optimizer):
     """Base of the fused optimizers: planning, checks, masks, clip, AMP.
 
@@ -182,6 +192,13 @@ class MaskedOptimizer(torch.optim.Optimizer):
     _state_keys: tuple = ()
     # torch.amp.GradScaler.step: set grad_scale / found_inf and call step().
     _step_supports_amp_scaling = True
+    # torch.optim group options these optimizers do not offer -> the value they step as:
+    # a group added with another value is refused; so is a loaded one, for the options that
+    # change the update (``differentiable``; AdamW's ``decoupled_weight_decay``), while the
+    # others (how torch runs its step) load as torch's state dicts carry them, and are ignored
+    _fixed_options: dict = {"foreach": None, "fused": None, "capturable": False,
+                            "differentiable": False}
+    _changes_update: frozenset = frozenset({"differentiable", "decoupled_weight_decay"})
 
     def __init__(self, params, defaults: dict, *, masks=None, max_grad_norm=None,
                  norm_type: float = 2.0, foreach=None, fused=None):
@@ -353,6 +370,9 @@ class MaskedOptimizer(torch.optim.Optimizer):
         have ``param_names``, the same names (wrapper prefixes aside); ``ValueError``."""
         name = type(self).__name__
         for gi, (sg, group) in enumerate(zip(saved, self.param_groups)):
+            self._refuse_options(sg, f"load_state_dict: saved param group {gi}",
+                                 self._changes_update.intersection(self._fixed_options),
+                                 ValueError)
             missing = [k for k in self._group_keys if k not in sg]
             if missing:
                 raise ValueError(
@@ -428,6 +448,13 @@ class MaskedOptimizer(torch.optim.Optimizer):
                         f"{name}: load_state_dict: the saved 'masks' and the mask in the saved "
                         f"state of {self._label(by_index[k])} disagree (a pre-hook that "
                         f"remapped 'state' but not 'masks'?)")
+        if saved is carried:
+            # the masks the state entries carry speak for their parameters only: a parameter
+            # with no saved state (never stepped: frozen so far) keeps the mask it has here
+            entries = {by_index[k] for k, entry in state.items()
+                       if k in by_index and isinstance(entry, dict)}
+            kept = {p: m for p, m in self.masks.items() if p not in entries}
+            masks = {**kept, **masks}
         return masks
 
     def _param_order(self) -> Dict[int, int]:
@@ -479,12 +506,27 @@ class MaskedOptimizer(torch.optim.Optimizer):
                     "torchstruct's optimizers support float32, float64, float16 and bfloat16 "
                     "parameters (use torch.optim for complex ones, or train a real view: "
                     "torch.view_as_real)")
+        self._refuse_options(param_group, f"param group {len(self.param_groups)}",
+                             self._fixed_options)
         super().add_param_group(param_group)
         try:  # the group as it will step (defaults filled in)
             self._check_group(len(self.param_groups) - 1, self.param_groups[-1])
         except Exception:
             self.param_groups.pop()
             raise
+
+    def _refuse_options(self, group: dict, where: str, options, error=TypeError) -> None:
+        """``error`` for a group setting one of ``options`` (names of ``_fixed_options``) to
+        another value than these optimizers step as (any true one for a False or None)."""
+        for key in options:
+            fixed = self._fixed_options[key]
+            if key in group and (bool(group[key]) if fixed in (None, False)
+                                 else group[key] != fixed):
+                how = "" if fixed is None else f"; it always steps as {key}={fixed!r}"
+                raise error(
+                    f"{type(self).__name__}: {where} sets {key}={group[key]!r}, which this "
+                    f"optimizer does not offer{how} (see 'Not offered' in docs/optimizers.md). "
+                    "Nothing was changed.")
 
     def _label(self, param: torch.Tensor) -> str:
         for gi, group in enumerate(self.param_groups):
@@ -693,6 +735,8 @@ class MaskedOptimizer(torch.optim.Optimizer):
                     # (an empty float64 entry), as it may not fit the gradients' dtype
                     wide = every + [torch.empty(0, dtype=torch.float64, device=every[0].device)]
                     total = _ops.global_norm(wide, self.norm_type)
+                    if _overflowed_on_cpu(total, every):
+                        total = _reference.global_norm(wide, self.norm_type)
                     inv = grad_scale.double().reciprocal().float().to(total.device)
                     total = (total * inv.double()).to(result_dtype(every))
                 clip_coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)

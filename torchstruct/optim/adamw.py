@@ -45,6 +45,7 @@ class AdamW(MaskedOptimizer):
     """
 
     _op = "adamw_step_"
+    _fixed_options = {**MaskedOptimizer._fixed_options, "decoupled_weight_decay": True}
     _group_keys = ("lr", "betas", "eps", "weight_decay")
     _state_keys = ("step", "exp_avg", "exp_avg_sq")
 
