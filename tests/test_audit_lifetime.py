@@ -727,11 +727,8 @@ def test_a_dtensor_model_converts_inside_blocks_and_its_optimizer_state_follows(
     with ctx():
         m.to(torch.float64)  # DTensor parameters swap
         assert [id(p) for p in m.parameters()] == ids and no_weakrefs(m)
-    m.to(torch.float32)
-    if block == "swap":  # docs/stop_gradient.md: such a conversion reads the tree's tensors
-        with torch.no_grad():
-            plain[2].bias.zero_()
-    plain.to(torch.float64)
+    m.to(torch.float32)  # docs/stop_gradient.md: a conversion converts the parameters
+    plain.to(torch.float64)  # themselves inside swap too, never their stand-ins
     plain.to(torch.float32)
     assert flags(m) == flags(plain) == reads(m) == [False, False, True, True, True, True]
     _grads_and_step(m, opt)

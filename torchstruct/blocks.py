@@ -476,6 +476,7 @@ class stop_gradient(_SubstituteBlock):
         _check_model("stop_gradient", model)
         check_bool(self._kwargs["strict"], "strict", "stop_gradient")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
+        refuse_lazy("stop_gradient", chosen)  # (its materialization would see the stand-in)
         return {id(p): (p, _detach) for _, p in chosen}
 
 
@@ -846,6 +847,7 @@ class constant(_Context):
         _check_model("constant", model)
         check_bool(self._kwargs["strict"], "strict", "constant")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
+        refuse_lazy("constant", chosen)  # no memory to protect yet
         protected = [(path, p) for path, p in chosen if p.numel() or p.layout != torch.strided]
         with _state.without_stand_ins():  # the parameters' own memory, not a swap's stand-ins
             mode, rebind = _Guard(protected), _RefuseRebind(chosen)

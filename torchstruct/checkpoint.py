@@ -118,12 +118,31 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
+def _method(cls, name: str):
+    attr = getattr(cls, name)
+    return getattr(attr, "__func__", attr)
+
+
+# what a plain tensor or parameter runs for torch functions and dispatch
+_PLAIN_HANDLERS = ({_method(c, "__torch_function__") for c in _PLAIN},
+                   {_method(c, "__torch_dispatch__") for c in _PLAIN})
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """``t`` is copied in place as a plain tensor: a ``Tensor``, a ``Parameter``, or a
+    subclass of them that only adds Python attributes (neither torch function nor dispatch
+    handling of its own: not DTensor, not a lazy parameter)."""
+    cls = type(t)
+    return cls in _PLAIN or (_method(cls, "__torch_function__") in _PLAIN_HANDLERS[0]
+                             and _method(cls, "__torch_dispatch__") in _PLAIN_HANDLERS[1])
+
+
 def _problem(path: str, value, target: torch.Tensor) -> str | None:
     """Why ``value`` cannot be written into ``target``, or None."""
     if not isinstance(value, torch.Tensor):
         return f"{path!r}: expected a tensor, got {type(value).__name__}"
     for what, t in (("state's", value), ("model's", target)):
-        if type(t) not in _PLAIN:  # DTensor, lazy or other subclasses: not copied in place here
+        if not _plain(t):  # DTensor, lazy or other subclasses: not copied in place here
             return f"{path!r}: the {what} tensor is a {type(t).__name__}, not a plain tensor"
     if tuple(value.shape) != tuple(target.shape):
         return (

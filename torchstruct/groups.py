@@ -109,7 +109,7 @@ def _auto_no_decay(model: nn.Module) -> list:
     named = []  # the timm convention: a module's no_weight_decay() names (paths, prefixes or
     for prefix, m in model.named_modules():  # fnmatch patterns), relative to the module
         fn = getattr(m, "no_weight_decay", None)
-        if callable(fn):
+        if callable(fn) and not isinstance(fn, nn.Module):  # (a child of that name is no method)
             names = fn()
             if isinstance(names, str):  # iterating it would give its letters
                 raise TypeError(f"param_groups: {type(m).__name__}.no_weight_decay() returned "

@@ -516,7 +516,8 @@ def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
 
     Raises:
         TypeError: ``spec`` is not a TreeSpec or ``vector`` not a Tensor, or ``vector`` is
-            complex and a leaf is not (the cast would drop the imaginary part).
+            complex with a non-zero imaginary part in the elements of a real leaf (the cast
+            would drop it).
         ValueError: ``vector`` is not 1-D or its length is not ``spec.numel``.
 
     Example:
@@ -539,22 +540,36 @@ def unflatten(vector: Tensor, spec: TreeSpec) -> Tree:
         raise ValueError(f"vector must be 1-D with {spec.numel} elements; got {vector.dim()}-D shape {tuple(vector.shape)}")
     if vector.numel() != spec.numel:
         raise ValueError(f"vector has {vector.numel()} elements but the spec needs {spec.numel}")
-    real = [e.path for e in spec.entries if not e.dtype.is_complex]
-    if vector.is_complex() and real:
-        raise TypeError(
-            f"unflatten: the vector is complex ({vector.dtype}) but the leaf at {real[0]!r} is "
-            f"{spec.entries[spec.paths.index(real[0])].dtype}: the cast would drop the "
-            f"imaginary part"
-        )
+    if vector.is_complex():
+        _refuse_imaginary(vector, spec)
     made: dict[str, Tensor] = {}
     for e in spec.entries:
         if e.alias_of is not None:
             made[e.path] = made[e.alias_of]
         else:
-            made[e.path] = vector[e.offset : e.offset + e.numel].view(e.shape).to(e.dtype)
+            part = vector[e.offset : e.offset + e.numel]
+            if part.is_complex() and not e.dtype.is_complex:
+                part = part.real  # (zero imaginary part: checked)
+            made[e.path] = part.view(e.shape).to(e.dtype)
     if spec.skeleton is not None:
         return _rebuild(spec.skeleton, made)
     return made if spec.flat else from_flat_dict(made)
+
+
+def _refuse_imaginary(vector: Tensor, spec: TreeSpec) -> None:
+    """``TypeError`` when a real leaf's elements of the complex ``vector`` have a non-zero
+    imaginary part (the cast would drop it; a vector ``flatten`` made of a tree mixing
+    complex and real leaves has none there until it is changed)."""
+    real = [e for e in spec.entries
+            if e.alias_of is None and not e.dtype.is_complex and e.numel]
+    if not real:
+        return
+    imaginary = torch.stack([vector[e.offset : e.offset + e.numel].imag.any() for e in real])
+    if bool(imaginary.any()):  # (one read of the device)
+        e = real[int(imaginary.nonzero()[0, 0])]
+        raise TypeError(
+            f"unflatten: the vector is complex ({vector.dtype}) and its elements for the leaf "
+            f"at {e.path!r} ({e.dtype}) have a non-zero imaginary part: the cast would drop it")
 
 
 def from_module(model: nn.Module, *, buffers: bool = False) -> Tree:

@@ -166,6 +166,13 @@ def _same_mask(a, b) -> bool:
 
 
 
+def _shape_text(p: torch.Tensor) -> str:
+    """``shape (2, 3)``, or what a lazy parameter before its first forward is."""
+    if torch.nn.parameter.is_lazy(p):
+        return "an uninitialized lazy parameter"
+    return f"shape {tuple(p.shape)}"
+
+
 def _overflowed_on_cpu(total: torch.Tensor, grads: list) -> bool:
     """The compiled kernels sum float32 squares in float32 lanes: a scaled gradient's squares
     (past ~1.8e19) may overflow there where the float64 sum fits. On the CPU (where reading
@@ -409,6 +416,11 @@ class MaskedOptimizer(torch.optim.Optimizer):
                     f"{name}: load_state_dict: the saved state of {self._label(p)} has no "
                     f"{missing[0]!r} (it has {sorted(entry)}): a state dict of another "
                     f"optimizer type?")
+            if entry and torch.nn.parameter.is_lazy(p):
+                raise ValueError(
+                    f"{name}: load_state_dict: {self._label(p)}: the saved state cannot be "
+                    f"checked against a parameter whose shape is not known yet; run one "
+                    f"forward of the model before loading the optimizer's state")
             for key, value in entry.items():
                 # every tensor but the step counter is per element (a 0-dim one would broadcast)
                 if isinstance(value, torch.Tensor) and key != "step" and value.shape != p.shape:
@@ -529,14 +541,15 @@ class MaskedOptimizer(torch.optim.Optimizer):
                     "Nothing was changed.")
 
     def _label(self, param: torch.Tensor) -> str:
+        shape = _shape_text(param)
         for gi, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
                 if p is param:
                     names = group.get("param_names")
                     if names is not None and j < len(names):
-                        return f"parameter {names[j]!r} (shape {tuple(p.shape)})"
-                    return f"parameter {j} of param group {gi} (shape {tuple(p.shape)})"
-        return f"a tensor of shape {tuple(param.shape)} that is not a parameter of this optimizer"
+                        return f"parameter {names[j]!r} ({shape})"
+                    return f"parameter {j} of param group {gi} ({shape})"
+        return f"a tensor ({shape}) that is not a parameter of this optimizer"
 
     def _check_member(self, p) -> None:
         """A mask's key: a parameter of this optimizer."""
@@ -553,6 +566,10 @@ class MaskedOptimizer(torch.optim.Optimizer):
         elif not isinstance(p, torch.Tensor):
             raise ValueError(f"{name}: masks must be keyed by parameters, got a {type(p).__name__}")
         label = self._label(p)
+        if torch.nn.parameter.is_lazy(p):
+            raise ValueError(f"{name}: {label}: its shape is not known before its module's "
+                             f"first forward, so no mask can be checked against it; give "
+                             f"its mask after that forward (optimizer.set_mask)")
         if not isinstance(mask, torch.Tensor):
             raise ValueError(f"{name}: the mask of {label} is a {type(mask).__name__}, "
                              f"not a bool tensor")
