@@ -70,12 +70,13 @@ class Entry:
     inside: frozenset | None = None
 
     def decide(self, scope: nn.Module, idx: ParamIndex, params: list, strict: bool = False,
-               lenient: bool = False) -> None:
+               lenient: bool = False, remember: bool = True) -> set[int]:
         """Record what the selectors pick among ``params`` of ``scope`` (indexed as ``idx``);
-        a callable selector is asked about these only. ``lenient`` (restoring: a context
-        exits): a selector that raises picks none of them, and nothing is recorded (the next
-        application asks again, and raises)."""
-        if len(self.decided) > 2 * len(idx.params) + 64:  # forget parameters that are gone
+        a callable selector is asked about these only. Returns the ids picked. ``lenient``
+        (restoring: a context exits): a selector that raises picks none of them, and nothing
+        is recorded (the next application asks again, and raises). ``remember=False`` (a
+        read): nothing is recorded either (the application decides when it comes)."""
+        if remember and len(self.decided) > 2 * len(idx.params) + 64:  # forget the gone
             here = {id(p) for p in idx.params}
             self.decided = {k: v for k, v in self.decided.items() if k in here or (
                 not v[0].gone() if isinstance(v[0], _state.Left)
@@ -90,42 +91,45 @@ class Entry:
         except Exception:
             if not lenient:
                 raise
-            return
-        for p in params:
-            self.decided[id(p)] = (p, id(p) in chosen)
+            return set()
+        if remember:
+            for p in params:
+                self.decided[id(p)] = (p, id(p) in chosen)
+        return chosen
 
     def selected(self, scope: nn.Module, idx: ParamIndex, params: list, starts: dict,
-                 lenient: bool = False) -> set[int]:
+                 lenient: bool = False, remember: bool = True) -> set[int]:
         """Ids of ``params`` the selectors pick, deciding for those seen the first time
-        (``lenient``: see :meth:`decide`)."""
+        (``lenient``, ``remember``: see :meth:`decide`)."""
         if not self.selectors:
             return {id(p) for p in params}
         out, new = set(), []
         for p in params:
-            hit = self._decision(p)
+            hit = self._decision(p, remember)
             if hit is None:
                 source = starts[id(p)][2]  # the record of the parameter p is a copy of
                 was = source.p if source is not None else None
-                hit = self._decision(was) if was is not None else None
+                hit = self._decision(was, remember) if was is not None else None
                 if hit is None:
                     new.append(p)
                     continue
-                self.decided[id(p)] = (p, hit)
+                if remember:
+                    self.decided[id(p)] = (p, hit)
             if hit:
                 out.add(id(p))
         if new:
-            self.decide(scope, idx, new, lenient=lenient)
-            out.update(id(p) for p in new if self.decided.get(id(p), (p, False))[1])
+            out |= self.decide(scope, idx, new, lenient=lenient, remember=remember)
         return out
 
-    def _decision(self, p) -> bool | None:
+    def _decision(self, p, remember: bool = True) -> bool | None:
         """Whether the selectors picked ``p`` (None: not decided yet). A parameter that left
-        and came back is held again."""
+        and came back is held again (``remember``: that is recorded)."""
         hit = self.decided.get(id(p))
         if hit is None or hit[0] is p:
             return None if hit is None else hit[1]
         if isinstance(hit[0], _state.Left) and hit[0].holds(p):
-            self.decided[id(p)] = (p, hit[1])
+            if remember:
+                self.decided[id(p)] = (p, hit[1])
             return hit[1]
         return None
 
@@ -136,11 +140,11 @@ class Entry:
         hooks.release_kept(self, in_callback)
 
     def fold(self, flags: dict[int, bool], starts: dict, root: nn.Module,
-             root_index: ParamIndex, lenient: bool = False) -> None:
+             root_index: ParamIndex, lenient: bool = False, remember: bool = True) -> None:
         """Fold this context into ``flags`` (parameter id -> flag of ``root``'s parameters,
         indexed as ``root_index``; ``starts`` as :func:`~torchstruct.declare.effective`),
         within its scope, except for parameters whose flag someone wrote after it applied
-        (``lenient``: see :meth:`decide`)."""
+        (``lenient``, ``remember``: see :meth:`decide`)."""
         scope = self.scope()
         if scope is None:
             return
@@ -148,7 +152,7 @@ class Entry:
         params = [p for p in idx.params if id(p) in flags and starts[id(p)][1] < self.serial]
         if not params:
             return
-        chosen = self.selected(scope, idx, params, starts, lenient)
+        chosen = self.selected(scope, idx, params, starts, lenient, remember)
         for p in params:
             i = id(p)
             if self.kind == "freeze" and i in chosen:
@@ -217,8 +221,12 @@ def _refuse_in_backward(entry: Entry) -> None:
             st.refuse_in_backward()
 
 
-def _apply_around(entry: Entry, refuse: bool = True) -> list:
-    """Apply every state whose model shares a parameter with the entry's scope; the changes."""
+def _apply_around(entry: Entry, refuse: bool = True, applied: list | None = None,
+                  only: list | None = None) -> list:
+    """Apply every state whose model shares a parameter with the entry's scope; the changes.
+    The states that applied are appended to ``applied``; with ``only``, those states alone
+    apply (undoing a refused change: a state that refused wrote nothing, and applying it
+    leniently would write the flags of a declaration that is not valid)."""
     scope = entry.scope()
     if scope is None:
         return []
@@ -227,8 +235,12 @@ def _apply_around(entry: Entry, refuse: bool = True) -> list:
 
     def apply(st) -> None:
         nonlocal changes
+        if only is not None and not any(st is o for o in only):
+            return
         try:
             changes += st.apply(refuse)
+            if applied is not None:
+                applied.append(st)
         except BaseException as err:  # noqa: BLE001 - restoring: every tree first, then raise
             if refuse:
                 raise
@@ -254,12 +266,14 @@ def push(entry: Entry) -> None:
         _refuse_in_backward(entry)
         entry.serial = _state.next_serial()
         _state.entries.append(entry)
+        applied: list = []
         try:
-            _apply_around(entry)
+            _apply_around(entry, applied=applied)
         except BaseException:
             _state.entries.remove(entry)
             try:
-                _apply_around(entry, refuse=False)
+                if applied:  # the states that wrote flags before another refused
+                    _apply_around(entry, refuse=False, only=applied)
             finally:
                 entry.end()
             raise
@@ -328,12 +342,14 @@ def exchange(old: "_FlagContext | None", new: "_FlagContext | None") -> None:
         for entry in news:  # a stage change continues the stage it replaces: its serial
             entry.serial = olds[0].serial if olds else _state.next_serial()
         _state.entries[:] = _swapped(saved, olds, news)
+        applied: list = []
         try:
-            changes = _apply_around(anchor)
+            changes = _apply_around(anchor, applied=applied)
         except BaseException:
             _state.entries[:] = saved
             try:
-                _apply_around(anchor, refuse=False)
+                if applied:  # (see push)
+                    _apply_around(anchor, refuse=False, only=applied)
             finally:
                 for entry in news:
                     entry.end()

@@ -262,7 +262,7 @@ def starting_flag(p: nn.Parameter, path: str, last: dict,
 
 
 def effective(
-    root: nn.Module, last: dict | None = None, lenient: bool = False
+    root: nn.Module, last: dict | None = None, lenient: bool = False, remember: bool = True
 ) -> tuple[ParamIndex, dict[int, tuple], dict[int, bool]]:
     """The effective trainability of every parameter of ``root``, computed now.
 
@@ -272,6 +272,8 @@ def effective(
             tree's last application.
         lenient: an invalid declaration admits what it still names, and a context's selector
             that raises picks none of the parameters it was asked about, instead of raising.
+        remember: whether the contexts record what they decide for parameters seen the first
+            time (an application does; a read does not, so it changes nothing).
 
     Returns:
         ``(index, starts, effective flags)`` keyed by parameter id; ``starts`` holds what
@@ -284,7 +286,7 @@ def effective(
         starts = {id(p): starting_flag(p, path, last, present) for path, p in idx}
         flags = {i: s[0] for i, s in starts.items()}
         for entry in _state.entries:
-            entry.fold(flags, starts, root, idx, lenient)
+            entry.fold(flags, starts, root, idx, lenient, remember)
     blocked = _blocked(root, lenient, idx.module_objects)
     for other, shared in _sharing(root, idx):  # one flag: every model holding it must admit it
         theirs = _blocked(other, lenient)
@@ -333,7 +335,8 @@ def _effective_of(model: nn.Module, lenient: bool = False) -> tuple[ParamIndex, 
         raise TypeError(f"expected an nn.Module, got {type(model).__name__}")
     root = _governing_root(model)
     st = _state.state_of(root)
-    idx, _, flags = effective(root, st.last if st is not None else None, lenient)
+    idx, _, flags = effective(root, st.last if st is not None else None, lenient,
+                              remember=False)
     return (idx if root is model else index(model)), flags
 
 

@@ -117,7 +117,11 @@ def _glob(pattern: str) -> Callable[[str, nn.Parameter], bool]:
 
 
 def _closest(word: str, candidates: list[str], n: int = 5) -> str:
-    close = difflib.get_close_matches(word, candidates, n=n, cutoff=0.4)
+    lowered: dict[str, str] = {}  # compared without case: "HEAD" is closest to "head"
+    for c in candidates:
+        lowered.setdefault(c.lower(), c)
+    close = [lowered[c] for c in
+             difflib.get_close_matches(word.lower(), list(lowered), n=n, cutoff=0.4)]
     if not close:  # fall back to the first few paths, so the message always shows real names
         close = candidates[:n]
     return ", ".join(repr(c) for c in close) or "(the model has no parameters)"
@@ -160,6 +164,12 @@ def _predicate(
                 "an empty match)"
             )
         return pred
+    if isinstance(sel, type):  # callable, but calling it builds an object (always "true")
+        raise TypeError(
+            f"selector: the class {sel.__name__} is not a selector (a callable selector is "
+            f"called as f(path, param) -> bool). To select the parameters of every "
+            f"{sel.__name__} module, pass the modules: [m for m in model.modules() if "
+            f"isinstance(m, {sel.__name__})]")
     if callable(sel):
         return lambda path, p: _answer(sel, path, p)
     raise TypeError(

@@ -47,8 +47,11 @@ class Row:
 
 
 def _count(n: int) -> str:
-    """Three significant digits with a unit: 999 -> '999', 999_999 -> '1M', 1.2e6 -> '1.2M'."""
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    """Three significant digits with a unit: 999 -> '999', 999_999 -> '1M', 1.2e6 -> '1.2M'
+    (trillions past 999T in full: '1,234T')."""
+    if float(f"{n:.3g}") >= 1e15:
+        return f"{n / 1e12:,.0f}T"
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if float(f"{n:.3g}") >= size:  # decide on the rounded value: no '1e+03K'
             return f"{n / size:.3g}{unit}"
     return str(n)
