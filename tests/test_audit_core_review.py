@@ -127,3 +127,14 @@ def test_leaving_unfreeze_without_growth_undoes_a_same_value_write_silently():
             m[0].weight.requires_grad_(True)
             m[0].bias.requires_grad_(False)  # another value: it stands
     assert flags(m) == {"0.weight": False, "0.bias": False, "1.weight": True, "1.bias": True}
+
+
+def test_decorating_with_a_context_inside_its_own_block_keeps_the_block():
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    c = ts.freeze(m, "1")
+    with c:
+        f = c(lambda: m[1].weight.requires_grad)
+        assert not m[1].weight.requires_grad  # the block still holds
+        assert f() is False and not m[1].weight.requires_grad
+    assert m[1].weight.requires_grad
+    assert f() is False and m[1].weight.requires_grad  # per call afterwards

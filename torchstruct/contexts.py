@@ -569,7 +569,8 @@ class _Context:
         """Decorate ``fn``: the context applies during each call (for a generator function
         or an ``async def`` function, while its body runs: around each resumption, not
         between them, so other code running meanwhile does not see it)."""
-        self.__exit__(None, None, None)  # decorating applies nothing
+        if not self._depth:  # decorating applies nothing (a `with` block of it stays)
+            self.__exit__(None, None, None)
         if inspect.isasyncgenfunction(fn):
             raise TypeError(
                 f"{type(self).__name__} cannot decorate the async generator function "

@@ -104,9 +104,22 @@ class State:
         ``pop``, ``del m[i]``, which write its ``_modules`` without a registration) since the
         last application: the identity and length of each container's ``_modules`` (``del``
         puts a new dict in place; see :func:`_container_mark`), not a walk of the tree. The
-        next forward applies; unless
-        every change found only shrank a container (``pop``, ``del``), it counts as a
-        registration (contexts see that the tree grew)."""
+        next forward applies; unless every change found only shrank a container (``pop``,
+        ``del``), it counts as a registration (contexts see that the tree grew). Looked at
+        without the lock (this runs at every forward); a change found is recorded under it,
+        once (another thread may have applied meanwhile)."""
+        if not self._containers_changed()[0]:
+            return False
+        with _state.LOCK:
+            changed, grown = self._containers_changed()
+            if not changed:
+                return False
+            self.containers = ()  # counted once; the application looks again
+            (_state.grew if grown else _state.mark_changed)(self)
+            return True
+
+    def _containers_changed(self) -> tuple[bool, bool]:
+        """(whether a container changed, whether one of those did not only shrink)."""
         changed = grown = False
         for ref, key, n in self.containers:
             c = ref()
@@ -118,11 +131,7 @@ class State:
             else:
                 grown = True
             changed = True
-        if not changed:
-            return False
-        self.containers = ()  # counted once; the application looks again
-        (_state.grew if grown else _state.mark_changed)(self)
-        return True
+        return changed, grown
 
     def registered_into(self, module: nn.Module, value) -> None:
         """``value`` (a parameter or module) was registered into ``module``, a module of this
