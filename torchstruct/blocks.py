@@ -164,8 +164,8 @@ class _Substitute(TorchFunctionMode):
         self.wrapped = (torch._C._are_functorch_transforms_active()
                         and func is not torch.autograd.grad)
         values = self._replaced(args)
-        if values is not None and not torch.compiler.is_compiling() and _converting(
-                sys._getframe(1)):
+        if values is not None and name in _CONVERSIONS and not torch.compiler.is_compiling() \
+                and _converting(sys._getframe(1)):
             return func(*args, **kwargs)  # see _converting
         new_args = args if values is None else tuple(values)
         new_kwargs = self._sub(kwargs) if kwargs else kwargs
@@ -284,14 +284,19 @@ def _caller(frame):
     return frame
 
 
+# the torch functions nn.Module's conversions call on a parameter (to, cuda, half, ...,
+# share_memory, to_empty): only these are looked at by _converting
+_CONVERSIONS = frozenset({"to", "cuda", "cpu", "xpu", "mps", "ipu", "mtia", "type", "float",
+                          "double", "half", "bfloat16", "share_memory_", "empty_like"})
+
+
 def _converting(frame) -> bool:
     """The torch call made from ``frame`` is a module conversion's ``fn(param)``
     (``model.to()``, ``.half()``, ``.share_memory()``: ``Module._apply``): it acts on the
     parameter itself, never on its stand-in, which ``Module._apply`` would otherwise write
     into the module (``param.data = fn(stand_in)``)."""
-    frame = _caller(frame)
-    for _ in range(5):  # fn, a Tensor method in Python (share_memory_) and its handler
-        if frame is None:
+    for _ in range(7):  # fn, a Tensor method in Python (share_memory_), its handler, and
+        if frame is None:  # the wrapper of a compiler.disable'd handler
             return False
         if frame.f_code is _MODULE_APPLY:
             return True
