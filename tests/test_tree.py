@@ -280,7 +280,8 @@ def test_from_module_tied_embedding_once_at_first_path():
 def test_from_module_with_buffers():
     model = TiedLM()
     tree = T.from_module(model, buffers=True)
-    assert T.paths(tree) == ["embed.weight", "body.weight", "body.bias", "scale"]
+    # each module's buffers after its own parameters, before its children (state_dict's order)
+    assert T.paths(tree) == ["scale", "embed.weight", "body.weight", "body.bias"]
     assert tree["scale"] is model.scale
 
 

@@ -29,10 +29,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from . import _state
 from ._checks import check_bool, refuse_lazy
+from ._reference import validate_writable
 from .blocks import refuse_constant_writes
 from .declare import trainable_parameters
 from .select import _closest
+from .walk import _unaliased
 
 __all__ = ["state_dict", "load_state_dict", "IncompatibleKeys"]
 
@@ -92,10 +95,11 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
     check_bool(buffers, "buffers", "state_dict")
     params = list(trainable_parameters(model))
     refuse_lazy("state_dict", params)  # no values to save or load yet
-    out = {path: p.detach() for path, p in params}
-    if buffers:
-        trained = {id(p) for _, p in params}
-        out.update((path, b.detach()) for path, b in _owned_buffers(model, trained).items())
+    with _state.without_stand_ins():  # the model's own tensors, also inside a swap block
+        out = {path: p.detach() for path, p in params}
+        if buffers:
+            trained = {id(p) for _, p in params}
+            out.update((path, b.detach()) for path, b in _owned_buffers(model, trained).items())
     order = {path: i for i, path in enumerate(_targets(model))}  # Module.state_dict's order
     return {path: out[path] for path in sorted(out, key=order.__getitem__)}
 
@@ -166,6 +170,10 @@ def _problem(path: str, value, target: torch.Tensor) -> str | None:
             "be written outside it; load inside torch.inference_mode() or rebuild the model "
             "outside it"
         )
+    try:  # elements sharing memory (an expanded buffer): no in-place write
+        validate_writable([target], "load_state_dict", lambda _: f"the model's tensor {path!r}")
+    except RuntimeError as err:
+        return str(err).removeprefix("load_state_dict: ")
     return None
 
 
@@ -210,6 +218,11 @@ def load_state_dict(
         >>> torch.equal(a.weight, b.weight), torch.equal(a.bias, b.bias)
         (True, False)
     """
+    with _state.without_stand_ins():  # the model as it is outside a swap block
+        return _load(model, state, strict, buffers)
+
+
+def _load(model: nn.Module, state, strict, buffers) -> IncompatibleKeys:
     if not isinstance(model, nn.Module):
         raise TypeError(f"load_state_dict: expected an nn.Module, got {type(model).__name__}")
     if not isinstance(state, Mapping):
@@ -249,8 +262,10 @@ def load_state_dict(
     writes = [(targets[k], v) for k, v in state.items() if v is not targets[k]]
     refuse_constant_writes("load_state_dict", [t for t, _ in writes])
     if writes:  # one call: an error or a Ctrl-C lands before it or after it, never half way
+        dests = [t for t, _ in writes]
+        values = _unaliased(dests, [v for _, v in writes])  # each read as it was before
         with torch.no_grad():
-            torch._foreach_copy_([t for t, _ in writes], [v for _, v in writes])
+            torch._foreach_copy_(dests, values)
     return IncompatibleKeys(missing, [])
 
 

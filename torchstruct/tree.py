@@ -160,7 +160,8 @@ def _memory(t: Tensor) -> tuple | None:
         return None
     if ptr == 0:
         return None
-    return (t.device, t.dtype, t.shape, t.stride(), ptr)
+    # (a conjugate or negative view holds other values on the same memory)
+    return (t.device, t.dtype, t.shape, t.stride(), ptr, t.is_conj(), t.is_neg())
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
@@ -580,7 +581,7 @@ def from_module(model: nn.Module, *, buffers: bool = False) -> Tree:
 
     Arguments:
         model: an ``nn.Module``.
-        buffers: also include the buffers (``named_buffers()``), after the
+        buffers: also include the buffers (``named_buffers()``), each module's after its
             parameters; a tensor already present is not repeated.
 
     Returns:
@@ -606,6 +607,10 @@ def from_module(model: nn.Module, *, buffers: bool = False) -> Tree:
     if buffers:
         seen = {id(p) for _, p in pairs}
         pairs += [(path, b) for path, b in model.named_buffers() if id(b) not in seen]
+        # each module's buffers right after its parameters (named_modules order; a stable
+        # sort keeps named_parameters' order among the parameters)
+        order = {path: i for i, (path, _) in enumerate(model.named_modules())}
+        pairs.sort(key=lambda pair: order.get(pair[0].rpartition(".")[0], len(order)))
     return from_flat_dict(pairs)
 
 
