@@ -756,6 +756,13 @@ def _opt(cls, **kw):
 
 
 W = lambda m: m[0].weight  # noqa: E731
+
+
+def _no_grad(fn):
+    with torch.no_grad():
+        return fn()
+
+
 WRITES = {
     "data.add_": lambda m: W(m).data.add_(1),
     "detach.copy_": lambda m: W(m).detach().copy_(torch.zeros(3, 3)),
@@ -774,7 +781,7 @@ WRITES = {
     "as_strided_fill": lambda m: W(m).detach().as_strided((2,), (4,)).fill_(0),
     "set_": lambda m: W(m).data.set_(torch.zeros(3, 3)),
     "resize_": lambda m: W(m).data.resize_(2),
-    "t_": lambda m: W(m).data.t_(),
+    "t_": lambda m: _no_grad(W(m).t_),  # (on an alias it changes the alias only: allowed)
     "init.zeros_": lambda m: nn.init.zeros_(W(m)),
     "apply_init": lambda m: m.apply(lambda mod: nn.init.ones_(mod.weight)
                                     if isinstance(mod, nn.Linear) else None),

@@ -105,6 +105,10 @@ class _Substitute(TorchFunctionMode):
         self.kind = kind
         # reentrant checkpoints already running when the block was entered (it is inside them)
         self.outer = {id(f) for f in _checkpoint_frames(sys._getframe())}
+        # custom functions' forwards already running then: a parameter handed to their apply
+        # was handed outside the block (its gradient is theirs to give)
+        self.outer_forwards = {id(f) for f, *_ in
+                               _custom_functions.running_forwards(sys._getframe())}
 
     def _sub(self, x):
         """``x`` (a tensor, or a list, tuple or dict looked into) with the replaced parameters
@@ -196,7 +200,8 @@ class _Substitute(TorchFunctionMode):
         (docs/stop_gradient.md). Anywhere else it is refused."""
         for frame, name, takes_ctx, inputs in _custom_functions.running_forwards(
                 sys._getframe(2)):
-            self._cut(frame, name, takes_ctx, inputs)
+            if id(frame) not in self.outer_forwards:
+                self._cut(frame, name, takes_ctx, inputs)
 
     def _cut(self, forward, name: str, takes_ctx: bool, inputs) -> None:
         ctx = _custom_functions.first_argument(forward) if takes_ctx else None
@@ -570,19 +575,41 @@ def _show(v) -> str:
 # Write protection at the aten level.
 
 _WRITES: dict = {}  # OpOverload -> ((position, name), ...) of its written arguments
+# ops that update their running statistics in place with no write in their schema:
+# name -> ((position, name) of those arguments, position of `training` or None: always)
+_STATS_WRITERS = {
+    "aten::native_batch_norm": (((3, "running_mean"), (4, "running_var")), 5),
+    "aten::cudnn_batch_norm": (((3, "running_mean"), (4, "running_var")), 5),
+    "aten::miopen_batch_norm": (((3, "running_mean"), (4, "running_var")), 5),
+    "aten::_batch_norm_impl_index": (((3, "running_mean"), (4, "running_var")), 5),
+    "aten::batch_norm_update_stats": (((1, "running_mean"), (2, "running_var")), None),
+    "aten::batch_norm_gather_stats_with_counts": (((3, "running_mean"), (4, "running_var")),
+                                                  None),
+}
+# ops writing only the metadata (sizes, strides) of the tensor they are given: a write to
+# a parameter only when given the parameter itself, not another tensor on its memory
+_METADATA_WRITERS = frozenset({"aten::t_", "aten::transpose_", "aten::swapdims_",
+                               "aten::swapaxes_", "aten::unsqueeze_", "aten::squeeze_",
+                               "aten::as_strided_"})
 
 
-def _written_args(func) -> tuple[tuple[int, str], ...]:
+def _written_args(func, args, kwargs) -> tuple[list, bool]:
+    """The tensors (or lists of them) ``func`` writes in place, given its arguments, and
+    whether it writes only their metadata."""
     hit = _WRITES.get(func)
     if hit is None:
         schema = func._schema
-        hit = tuple(
-            (i, a.name)
-            for i, a in enumerate(schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write
-        )
-        _WRITES[func] = hit
-    return hit
+        flagged = tuple((i, a.name) for i, a in enumerate(schema.arguments)
+                        if a.alias_info is not None and a.alias_info.is_write)
+        hit = _WRITES[func] = (flagged, _STATS_WRITERS.get(schema.name),
+                               schema.name in _METADATA_WRITERS)
+    flagged, stats, metadata = hit
+    if stats is not None:
+        rows, training = stats
+        if training is None or (args[training] if training < len(args)
+                                else kwargs.get("training", True)):
+            flagged = flagged + rows
+    return [args[i] if i < len(args) else kwargs.get(name) for i, name in flagged], metadata
 
 
 _SPARSE_PARTS = {
@@ -609,10 +636,12 @@ class _Guard(TorchDispatchMode):
     def __init__(self, protected: list[tuple[str, Tensor]]) -> None:
         super().__init__()
         spans: dict[object, list[tuple[int, int, str]]] = {}
-        self.others: dict[int, tuple[Tensor, str]] = {}  # sparse, ...: by identity
+        # every protected parameter by identity (a write given the parameter itself: also
+        # an empty one, or one whose memory moved; sparse ones, whose bytes are their parts)
+        self.params: dict[int, tuple[Tensor, str]] = {id(p): (p, path) for path, p in protected}
         for path, p in protected:
-            if p.layout != torch.strided:
-                self.others[id(p)] = (p, path)
+            if p.layout == torch.strided and p.numel() == 0:
+                continue  # no bytes
             for part in _parts(p):  # a sparse tensor's bytes: its values and indices
                 memory, lo, hi = _place(part)
                 spans.setdefault(memory, []).append((lo, hi, path))
@@ -626,13 +655,17 @@ class _Guard(TorchDispatchMode):
                 ends.append(top)
             self.spans[memory] = (rows, [lo for lo, _, _ in rows], ends)
 
-    def _hit(self, t) -> str | None:
+    def _hit(self, t, metadata: bool = False) -> str | None:
+        """The path of the protected parameter a write into ``t`` would change (``metadata``:
+        a write of ``t``'s sizes and strides only, a change of the parameter itself only)."""
         if not isinstance(t, Tensor):
             return None
+        mine = self.params.get(id(t))
+        if mine is not None and mine[0] is t:
+            return mine[1]
+        if metadata:
+            return None
         if t.layout != torch.strided:
-            other = self.others.get(id(t))
-            if other is not None and other[0] is t:
-                return other[1]
             # another tensor object over the same bytes (p.data of a sparse parameter)
             return next(filter(None, map(self._hit, _parts(t))), None)
         try:
@@ -652,10 +685,10 @@ class _Guard(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for i, name in _written_args(func):
-            arg = args[i] if i < len(args) else kwargs.get(name)
+        written, metadata = _written_args(func, args, kwargs)
+        for arg in written:
             for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-                path = self._hit(t)
+                path = self._hit(t, metadata)
                 if path is not None:
                     raise RuntimeError(
                         f"constant: {func._schema.name} would modify parameter {path!r} in "
@@ -666,7 +699,10 @@ class _Guard(TorchDispatchMode):
 
 class _RefuseRebind(TorchFunctionMode):
     """Raise before ``p.data = other`` gives a selected parameter other values (a rebinding,
-    not an aten write: ``torch.nn.utils.vector_to_parameters``, ``module.double()``)."""
+    not an aten write: ``torch.nn.utils.vector_to_parameters``, ``module.double()``), and
+    before the in-place methods that reach no aten op (``apply_``, ``map_``, ``map2_``:
+    Python functions written element by element; ``share_memory_``: the memory moved, which
+    the block could no longer protect) act on a protected one's memory."""
 
     def __init__(self, chosen: list[tuple[str, Tensor]]) -> None:
         super().__init__()
@@ -674,6 +710,14 @@ class _RefuseRebind(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", None)
+        if name in _UNSEEN_WRITES and args:
+            with _state.without_stand_ins():  # the parameter's own memory
+                path = protected_path([args[0]])
+            if path is not None:
+                what = "move the memory of" if name == "share_memory_" else "modify"
+                raise RuntimeError(
+                    f"constant: Tensor.{name} would {what} parameter {path!r} in place inside "
+                    "a ts.constant block")
         if name in ("__set__", "__get__"):
             name += getattr(getattr(func, "__self__", None), "__name__", "")
         hit = self.params.get(id(args[0])) if args and name in _REBINDS else None
@@ -701,6 +745,7 @@ def _swapped_in(args, frame):
 
 # the ways a parameter's values are replaced without an aten write: name -> (args, caller's
 # frame) -> (the new values, how, or None when this call replaces nothing)
+_UNSEEN_WRITES = frozenset({"apply_", "map_", "map2_", "share_memory_"})
 _REBINDS = {
     "__set__data": lambda args, _: (args[1], "setting .data") if len(args) == 2 else (None, None),
     "module_load": lambda args, _: (args[1] if len(args) > 1 else None,
@@ -853,9 +898,8 @@ class constant(_Context):
         check_bool(self._kwargs["strict"], "strict", "constant")
         chosen = select(model, *(selectors or [model]), strict=self._kwargs["strict"])
         refuse_lazy("constant", chosen)  # no memory to protect yet
-        protected = [(path, p) for path, p in chosen if p.numel() or p.layout != torch.strided]
         with _state.without_stand_ins():  # the parameters' own memory, not a swap's stand-ins
-            mode, rebind = _Guard(protected), _RefuseRebind(chosen)
+            mode, rebind = _Guard(chosen), _RefuseRebind(chosen)
         _compile_caveats.warn_once()
         rebind.__enter__()
         mode.__enter__()
