@@ -80,10 +80,11 @@ def _on_module_registered(module: nn.Module, name: str, inner) -> None:
     """Record, as DDP is built, which parameters of its module it will synchronize."""
     if isinstance(module, DistributedDataParallel) and name == "module":
         ref = weakref.ref(module, _forget_wrapper)
-        ignored = getattr(module, "parameters_to_ignore", ())  # DDP leaves their flags free
+        # DDP leaves their flags free
+        ignored = _ignored(inner, getattr(module, "parameters_to_ignore", ()))
         synchronized = []
         for path, p in inner.named_parameters():
-            if path in ignored:
+            if id(p) in ignored:
                 continue
             _wrapped[id(p)] = (ref, p.requires_grad, p)
             if p.requires_grad:
@@ -362,8 +363,20 @@ def average_gradients(ddp: DistributedDataParallel, compute, *, tensor_loss: boo
         except Exception as e:  # noqa: BLE001 - every rank must hear of it first
             error = e
     _agree(ddp, error, params)
-    ignored = {id(p) for n, p in ddp.module.named_parameters() if n in ddp.parameters_to_ignore}
-    return _average(ddp, [(p, g) for p, g in zip(params, grads)], ignored)
+    return _average(ddp, [(p, g) for p, g in zip(params, grads)],
+                    _ignored(ddp.module, ddp.parameters_to_ignore))
+
+
+def _ignored(inner: nn.Module, skip) -> set[int]:
+    """Ids of the parameters of ``inner`` (the module a DDP wraps) its reducer leaves out,
+    ``skip`` being its ``parameters_to_ignore``: as the reducer decides, a parameter is in
+    unless every ``module_name.param_name`` it is found under is listed (a tied one is found
+    under several; a parameter of the root itself under ``.name``, as DDP spells it)."""
+    paths: dict[int, list[str]] = {}
+    for mpath, mod in inner.named_modules():
+        for name, p in mod.named_parameters(recurse=False):
+            paths.setdefault(id(p), []).append(f"{mpath}.{name}")
+    return {i for i, ps in paths.items() if all(path in skip for path in ps)} if skip else set()
 
 
 @contextlib.contextmanager

@@ -429,6 +429,7 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
         reached = [i for i, (_, p) in enumerate(asked) if id(p) in leaves]
         if not reached:
             raise ValueError(_unreachable(asked))
+        before = _grad_slots(model)
         found = torch.autograd.grad(
             loss,
             [asked[i][1] for i in reached],
@@ -436,6 +437,7 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
             retain_graph=retain_graph,
             create_graph=create_graph,
         )
+        _refuse_nested_backward(model, before)
         if all(g is None for g in found):
             # an edge is not a use: a compiled graph's backward node has an edge to every
             # parameter input requiring grad, also one it used only through .detach()
@@ -444,6 +446,38 @@ def _grads(model: nn.Module, loss: torch.Tensor, asked: Pairs, retain_graph, cre
         for i, g in zip(reached, found):
             grads[i] = g
     return _owning([torch.zeros_like(p) if g is None else g for (_, p), g in zip(asked, grads)])
+
+
+def _grad_slots(model: nn.Module) -> list:
+    """``(path, parameter, its .grad, that tensor's version)`` of every parameter."""
+    return [(path, p, p.grad, None if p.grad is None else p.grad._version)
+            for path, p in model.named_parameters()]
+
+
+def _refuse_nested_backward(model: nn.Module, before: list) -> None:
+    """``torch.autograd.grad`` writes no ``.grad``; one written meanwhile was written by a
+    backward a node ran inside it (a custom function recomputing its forward in backward and
+    calling ``torch.autograd.backward``, as reentrant checkpoints and reversible layers do):
+    the gradients it hands back miss what flowed that way. Put back what can be, and raise."""
+    touched = [(path, p, g, v) for path, p, g, v in before
+               if p.grad is not g or (g is not None and g._version != v)]
+    if not touched:
+        return
+    lost = [path for path, p, g, v in touched if p.grad is g]  # accumulated in place
+    for _, p, g, _ in touched:
+        if p.grad is not g:
+            p.grad = g
+    names = ", ".join(repr(path) for path, *_ in touched[:5])
+    raise RuntimeError(
+        f"structural_grad: a backward run inside this one wrote the .grad of {names}: a custom "
+        "autograd Function in the graph computes its gradients with its own "
+        "torch.autograd.backward (a recomputation in backward: reversible layers, an "
+        "activation checkpoint not built on torch.utils.checkpoint), which torch.autograd.grad "
+        "cannot see through, so the gradients would be silently wrong (zeros there). Use "
+        "loss.backward() and ts.grad_tree(model) for such a model"
+        + (f". The .grad of {', '.join(map(repr, lost[:5]))} was accumulated in place and "
+           "holds that backward's contribution now" if lost else
+           "; every .grad was put back as it was"))
 
 
 def _owning(grads: list) -> list:

@@ -59,17 +59,38 @@ def _tracked(t: Tensor) -> bool:
         if grad_mode and (t.view_as(t) if t.layout == torch.strided and not t.is_nested
                           else t).requires_grad:
             return True
-        if _fwad._current_level >= 0:  # traced code cannot see tangents: ask eagerly
+        # traced code cannot see tangents, nor a flag below a vmap level (a batched tensor
+        # reads False there): ask eagerly
+        if _fwad._current_level >= 0 or _functorch.is_batchedtensor(t):
             return _tracked_eagerly(t)
         return False
     # enable_grad() inside inference_mode() turns grad mode on, and still records nothing
-    grad_mode = grad_mode and not torch.is_inference_mode_enabled()
+    inference = torch.is_inference_mode_enabled()
     while True:
-        if (grad_mode and t.requires_grad) or has_tangent(t):
+        if (not inference and t.requires_grad and _grad_mode_at(_functorch.maybe_get_level(t),
+                                                                grad_mode)) or has_tangent(t):
             return True
         if not _functorch.is_functorch_wrapped_tensor(t):
             return False
         t = _functorch.get_unwrapped(t)  # e.g. a vmap wrapper inside torch.func.grad
+
+
+def _grad_mode_at(level: int, grad_mode: bool) -> bool:
+    """The grad mode work on a tensor of functorch ``level`` (-1: a plain tensor) runs with:
+    ``grad_mode`` (this one) unless a ``torch.func.grad`` / ``vjp`` transform above that level
+    runs, whose own grad mode is on inside it; then the mode it was entered with (a tensor
+    captured inside ``torch.func.grad`` called under ``no_grad`` records nothing)."""
+    if not grad_mode or not torch._C._are_functorch_transforms_active():
+        return grad_mode
+    from torch._functorch import pyfunctorch
+
+    for interpreter in pyfunctorch.retrieve_all_functorch_interpreters():  # outermost first
+        if interpreter.level() > level and interpreter.key() == _GRAD:
+            return interpreter.prev_grad_mode()
+    return grad_mode
+
+
+_GRAD = torch._C._functorch.TransformType.Grad
 
 
 @torch.compiler.disable
