@@ -91,3 +91,11 @@ def test_constant_allows_metadata_changes_of_an_alias_only():
         with pytest.raises(RuntimeError, match="'weight'"):
             m.weight.t_()  # the parameter itself
     assert m.weight.shape == (2, 3)
+
+
+def test_constant_passes_share_memory_that_moves_nothing():
+    m = nn.Linear(2, 2)
+    m.share_memory()
+    with ts.constant(m):
+        m.share_memory()  # already shared: nothing moves
+    assert m.weight.is_shared()

@@ -80,3 +80,14 @@ def test_flatten_keeps_a_conjugate_or_negative_view_apart_from_its_base():
     assert torch.equal(ts.tree.unflatten(vec, spec)["b"], torch.tensor([-1.0, -2.0]))
     vec, spec = ts.tree.flatten({"a": x, "b": x.view(2)})  # a true tie still ties
     assert spec.numel == 2
+
+
+def test_loading_the_models_own_state_copies_nothing(monkeypatch):
+    from torchstruct import checkpoint as ck
+
+    m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    seen = []
+    monkeypatch.setattr(ck, "_unaliased", lambda t, s: seen.append(len(s)) or s)
+    ts.load_state_dict(m, m.state_dict())
+    ts.load_state_dict(m, ts.state_dict(m))
+    assert seen == []  # every value is its target's own memory: no write, no copy

@@ -138,3 +138,17 @@ def test_decorating_with_a_context_inside_its_own_block_keeps_the_block():
         assert f() is False and not m[1].weight.requires_grad
     assert m[1].weight.requires_grad
     assert f() is False and m[1].weight.requires_grad  # per call afterwards
+
+
+def test_a_refused_declaration_changes_no_flag_elsewhere():
+    m = nn.Module()
+    m.enc, m.head = nn.Linear(2, 2), nn.Linear(2, 2)
+    ts.mark_trainable(m, "enc", "head")
+    del m.head  # the declaration names a child that is gone: invalid
+    m.adapter = nn.Linear(2, 2)
+    before = flags(m)
+    with pytest.raises(ValueError):
+        ts.freeze(m.enc, "bias")
+    with pytest.raises(ValueError):
+        ts.mark_trainable(m.enc, "weight")
+    assert flags(m) == before

@@ -710,7 +710,7 @@ class _RefuseRebind(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", None)
-        if name in _UNSEEN_WRITES and args:
+        if name in _UNSEEN_WRITES and args and not _shared_already(name, args[0]):
             with _state.without_stand_ins():  # the parameter's own memory
                 path = protected_path([args[0]])
             if path is not None:
@@ -746,6 +746,14 @@ def _swapped_in(args, frame):
 # the ways a parameter's values are replaced without an aten write: name -> (args, caller's
 # frame) -> (the new values, how, or None when this call replaces nothing)
 _UNSEEN_WRITES = frozenset({"apply_", "map_", "map2_", "share_memory_"})
+
+
+def _shared_already(name: str, t) -> bool:
+    """``share_memory_`` that moves nothing: a storage already shared, or not on the CPU."""
+    if name != "share_memory_" or not isinstance(t, Tensor):
+        return False
+    with torch._C.DisableTorchFunction():
+        return t.device.type != "cpu" or t.is_shared()
 _REBINDS = {
     "__set__data": lambda args, _: (args[1], "setting .data") if len(args) == 2 else (None, None),
     "module_load": lambda args, _: (args[1] if len(args) > 1 else None,

@@ -35,6 +35,7 @@ from ._reference import validate_writable
 from .blocks import refuse_constant_writes
 from .declare import trainable_parameters
 from .select import _closest
+from .tree import _same_tensor
 from .walk import _unaliased
 
 __all__ = ["state_dict", "load_state_dict", "IncompatibleKeys"]
@@ -259,7 +260,8 @@ def _load(model: nn.Module, state, strict, buffers) -> IncompatibleKeys:
         raise ValueError(
             "load_state_dict: " + "; ".join(problems[:5]) + more + ". Nothing was written."
         )
-    writes = [(targets[k], v) for k, v in state.items() if v is not targets[k]]
+    # (a value that is its target's own memory seen the same way changes nothing)
+    writes = [(targets[k], v) for k, v in state.items() if not _same_tensor(v, targets[k])]
     refuse_constant_writes("load_state_dict", [t for t, _ in writes])
     if writes:  # one call: an error or a Ctrl-C lands before it or after it, never half way
         dests = [t for t, _ in writes]

@@ -207,11 +207,13 @@ def mark_trainable(module: nn.Module, *names: str | None) -> nn.Module:
         before = module.__dict__.get(_MARK)
         serial = _state.next_serial()
         _set_mark(module, None if mark is None else (mark, serial))
+        applied: list = []
         try:
-            hooks.apply_containing(module)
-        except BaseException:  # refused (a flag guard): the previous declaration stands
-            _set_mark(module, before)
-            hooks.apply_containing(module, refuse=False)
+            hooks.apply_containing(module, applied=applied)
+        except BaseException:  # refused: the previous declaration stands, and the states
+            _set_mark(module, before)  # that wrote before another refused are put back
+            if applied:
+                hooks.apply_containing(module, refuse=False, only=applied)
             raise
         _state.applied_through = max(_state.applied_through, serial)
     return module

@@ -372,11 +372,13 @@ def _ignored(inner: nn.Module, skip) -> set[int]:
     ``skip`` being its ``parameters_to_ignore``: as the reducer decides, a parameter is in
     unless every ``module_name.param_name`` it is found under is listed (a tied one is found
     under several; a parameter of the root itself under ``.name``, as DDP spells it)."""
+    if not skip:
+        return set()
     paths: dict[int, list[str]] = {}
     for mpath, mod in inner.named_modules():
         for name, p in mod.named_parameters(recurse=False):
             paths.setdefault(id(p), []).append(f"{mpath}.{name}")
-    return {i for i, ps in paths.items() if all(path in skip for path in ps)} if skip else set()
+    return {i for i, ps in paths.items() if all(path in skip for path in ps)}
 
 
 @contextlib.contextmanager

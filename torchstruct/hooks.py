@@ -58,11 +58,6 @@ def _container_mark(m: nn.Module) -> tuple:
     return weakref.ref(m), key, len(mods)
 
 
-def _same_dict(mods: dict, key) -> bool:
-    """``mods`` is the dict :func:`_container_mark` saw."""
-    return id(mods) == key and type(mods) is dict if type(key) is int else key() is mods
-
-
 @dataclass(eq=False)
 class State:
     """What torchstruct keeps for one attached model (the root, held weakly; its parameters
@@ -125,8 +120,9 @@ class State:
             c = ref()
             if c is not None:
                 mods = c._modules
-                if len(mods) == n and _same_dict(mods, key):
-                    continue
+                if len(mods) == n and (id(mods) == key and type(mods) is dict
+                                       if type(key) is int else key() is mods):
+                    continue  # the dict _container_mark saw
                 grown = grown or len(mods) >= n
             else:
                 grown = True
@@ -1126,19 +1122,27 @@ def apply_pending(module: nn.Module) -> None:
                 st.apply()
 
 
-def apply_containing(module: nn.Module, refuse: bool = True) -> None:
+def apply_containing(module: nn.Module, refuse: bool = True, applied: list | None = None,
+                     only: list | None = None) -> None:
     """Apply every state whose tree contains ``module`` (attaching ``module`` if none does),
     and the other attached models sharing parameters with those (one flag, written once for
-    all of them)."""
+    all of them). The states that applied are appended to ``applied``; with ``only``, those
+    alone apply (undoing a refused change, as ``contexts._apply_around`` does)."""
+    def apply(st) -> None:
+        if only is None or any(st is o for o in only):
+            st.apply(refuse)
+            if applied is not None:
+                applied.append(st)
+
     with _state.LOCK:
         found = [st for st in _state.live_states() if _contains(st.root(), module)]
         found = found or [state_for(module)]
         for st in found:
-            st.apply(refuse)
+            apply(st)
         mine = set().union(*(st.live_members() for st in found))
         for st in _state.live_states():
             if st not in found and not st.live_members().isdisjoint(mine):
-                st.apply(refuse)
+                apply(st)
 
 
 # ----------------------------------------------------------------------------- public

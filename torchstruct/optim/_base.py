@@ -179,7 +179,7 @@ def _overflowed_on_cpu(total: torch.Tensor, grads: list) -> bool:
     the result costs no device sync) a norm that came out inf or NaN is taken again in float64
     (:mod:`torchstruct._reference`: exact, and inf or NaN again only if a gradient is)."""
     return (not torch.compiler.is_compiling() and total.device.type == "cpu"
-            and all(type(g) is torch.Tensor for g in grads) and not bool(torch.isfinite(total)))
+            and not bool(torch.isfinite(total)) and all(type(g) is torch.Tensor for g in grads))
 
 
 class MaskedOptimizer(torch.optim.Optimizer):
