@@ -384,7 +384,7 @@ def test_invalid_declaration_refusal_changes_no_flag():
 def test_unfreeze_exit_after_growth_warns_naming_parameter():
     m = nn.Sequential(nn.Linear(2, 2))
     m.requires_grad_(False)
-    with pytest.warns(ts.RestoredFlagsWarning, match=r"1\.weight|1\.bias|'1'"):
+    with pytest.warns(ts.RestoredFlagsWarning, match=r"requires_grad=False: '0\.weight', '0\.bias'"):
         with ts.unfreeze(m, "*"):
             m.append(nn.Linear(2, 2))
             m[1].requires_grad_(False)

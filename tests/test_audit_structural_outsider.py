@@ -788,8 +788,10 @@ def test_flatten_promotes_and_round_trips():
     assert empty.dtype == torch.float32 and empty.numel() == 0 and T.unflatten(empty, espec) == {}
     with pytest.raises(ValueError, match="6"):
         T.unflatten(torch.zeros(6), spec)
-    with pytest.raises(TypeError):
-        T.unflatten(torch.zeros(5, dtype=torch.complex64), spec)
+    with pytest.raises(TypeError):  # a non-zero imaginary part for real leaves
+        T.unflatten(torch.full((5,), 1j, dtype=torch.complex64), spec)
+    back = T.unflatten(vec.to(torch.complex128), spec)  # a zero one: cast back exactly
+    assert all(torch.equal(T.to_flat_dict(back)[k], v) for k, v in T.to_flat_dict(t).items())
 
 
 def test_flatten_tied_and_views():
