@@ -152,3 +152,22 @@ def test_a_refused_declaration_changes_no_flag_elsewhere():
     with pytest.raises(ValueError):
         ts.mark_trainable(m.enc, "weight")
     assert flags(m) == before
+
+
+@pytest.mark.parametrize("how", ["context", "declaration"])
+def test_a_lazy_batch_norm_with_cumulative_average_frozen_before_its_first_forward(how):
+    # docs/freezing.md: "a layer built with momentum=None is held as any other"; its first
+    # forward materializes fresh statistics, which is no reset
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.LazyBatchNorm1d(momentum=None), nn.Linear(3, 1))
+    ctx = ts.freeze(net, "1") if how == "context" else ts.mark_trainable(net, "0", "2")
+    for _ in range(3):
+        net(torch.randn(8, 3))
+    assert torch.equal(net[1].running_mean, torch.zeros(3))
+    assert torch.equal(net[1].running_var, torch.ones(3))
+    assert int(net[1].num_batches_tracked) == 0
+    net[1].reset_running_stats()  # a reset while held (what update_bn does) still raises
+    with pytest.raises(RuntimeError, match="were reset"):
+        net(torch.randn(8, 3))
+    if how == "context":
+        ctx.__exit__(None, None, None)

@@ -862,7 +862,14 @@ def _stats_version(module: nn.Module) -> tuple:
     not a weak reference: ``torch.utils.swap_tensors`` refuses tensors that have one, and a
     swap (``load_state_dict`` under the future flag) gives the buffer a new address."""
     stats = getattr(module, "running_mean", None)
-    return (None, -1) if stats is None else (stats._cdata, stats._version)
+    if stats is None:
+        return (None, -1)
+    if nn.parameter.is_lazy(stats):  # a lazy layer before its first forward: no tensor yet
+        return (_LAZY, -1)
+    return (stats._cdata, stats._version)
+
+
+_LAZY = "lazy"  # the statistics of a hold begun before a lazy layer's first forward
 
 
 def _refuse_reset(module: nn.Module) -> None:
@@ -886,6 +893,10 @@ def _refuse_reset(module: nn.Module) -> None:
         return  # update_bn recomputes batch norms only; instance norms never count batches
     if not module.training:
         return  # an eval forward updates nothing, held or not: decided at the next train one
+    if held is _LAZY:  # materialized by this forward (fresh statistics, not a reset): from
+        if stats is not None and not nn.parameter.is_lazy(stats):  # here on they are held
+            hit[2][:] = _stats_version(module)
+        return
     if stats is not None and held == stats._cdata and stats._version == version:
         return  # nothing wrote the statistics since the hold began
     count = getattr(module, "num_batches_tracked", None)
