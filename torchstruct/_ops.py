@@ -283,8 +283,8 @@ _EAGER_FALLBACK = {name: run_eagerly(getattr(_fallback, name))
 def _warn_fallback(device: torch.device) -> None:
     if device in _warned:
         return
-    _warned.add(device)
     warnings.warn(_no_kernel_message(device), RuntimeWarning, stacklevel=4)
+    _warned.add(device)  # (after: a warnings filter that raises it raises it every time)
 
 
 def _no_kernel_message(device: torch.device) -> str:
