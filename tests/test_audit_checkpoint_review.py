@@ -1,7 +1,7 @@
 """Checkpoints and trees at their edges, each against plain PyTorch or the documented rule:
 
-* ``ts.state_dict`` / ``ts.load_state_dict`` inside a ``ts.swap`` block act on the model as it
-  is outside the block (the parameters, never the stand-ins);
+* ``ts.load_state_dict`` inside a ``ts.swap`` block writes the parameters, never the
+  stand-ins (``ts.state_dict`` there holds the stand-ins' values, as ``model.state_dict()``);
 * a model tensor that cannot be written in place (an expanded buffer) is a listed problem:
   nothing is written;
 * a value that shares memory with another written tensor (loading ``state_dict`` entries
@@ -18,14 +18,13 @@ import torch.nn as nn
 import torchstruct as ts
 
 
-def test_state_dict_and_load_inside_swap_act_on_the_parameters():
+def test_load_inside_swap_writes_the_parameters_and_state_dict_holds_the_stand_ins():
     torch.manual_seed(0)
     m = nn.Linear(2, 2)
-    weight = m.weight.detach().clone()
     stand = {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)}
     with ts.swap(m, stand):
-        saved = ts.state_dict(m)
-        assert torch.equal(saved["weight"], weight)
+        saved = ts.state_dict(m)  # as model.state_dict() in the block: the stand-ins' values
+        assert torch.equal(saved["weight"], stand["weight"])
         ts.load_state_dict(m, {"weight": torch.full((2, 2), 7.0)}, strict=False)
         assert torch.equal(m(torch.ones(1, 2)), torch.zeros(1, 2))  # the block still swaps
     assert torch.equal(m.weight.detach(), torch.full((2, 2), 7.0))
@@ -41,7 +40,7 @@ def test_an_expanded_buffer_is_a_problem_and_nothing_is_written():
 
     m = M()
     before = m.a.weight.detach().clone()
-    with pytest.raises(ValueError, match=r"'pos' has elements that share memory.*Nothing"):
+    with pytest.raises(ValueError, match=r"'pos': the model's tensor has elements that share memory.*Nothing"):
         ts.load_state_dict(m, {"a.weight": torch.ones(2, 2), "pos": torch.arange(3.0)},
                            strict=False)
     assert torch.equal(m.a.weight.detach(), before)

@@ -5,7 +5,8 @@ What is checked:
 * ``ts.swap``: ``nn.Module`` conversions inside the block (``.half()``, ``.double()``,
   ``.float()``, ``.type()``, ``.to()`` also on PyTorch's swap path, ``.share_memory()``,
   ``.to_empty()``) act on the parameters themselves, never writing a stand-in into the model;
-  ``ts.state_dict`` / ``ts.load_state_dict`` inside the block act on the parameters; forwards
+  ``ts.state_dict`` inside the block holds the stand-ins (as ``model.state_dict()``) and
+  ``ts.load_state_dict`` writes the parameters; forwards
   inside ``swap`` and ``stop_gradient`` equal ``torch.func.functional_call`` / a detached twin.
 * ``ts.constant``: batch norm's running statistics held as parameters (module and every
   functional entry point), ``apply_`` / ``map_`` / ``map2_`` / ``share_memory_``, empty
@@ -120,14 +121,19 @@ def test_swap_share_memory_and_to_empty_keep_parameters():
         assert v.untyped_storage().data_ptr() != tree[k].untyped_storage().data_ptr()
 
 
-def test_swap_state_dict_and_load_state_dict_act_on_parameters():
+def test_swap_state_dict_holds_the_stand_ins_and_load_state_dict_writes_the_parameters():
+    # docs/stop_gradient.md: ts.state_dict in the block holds what model.state_dict() holds
+    # there (the stand-ins' values: saving EMA weights); ts.load_state_dict writes the
+    # parameters themselves, never the tree's tensors
     m = _mlp()
-    orig = {k: v.detach().clone() for k, v in m.named_parameters()}
     tree = _standins(m)
     with ts.swap(m, tree):
         sd = ts.state_dict(m)
-    for k, v in orig.items():
-        assert torch.equal(sd[k], v), k
+        plain = m.state_dict()
+    for k, v in sd.items():
+        assert torch.equal(v, plain[k]), k
+        if k in tree:  # (buffers are not swapped)
+            assert torch.equal(v, tree[k]), k
     new = {k: torch.full_like(v, 0.5) for k, v in ts.state_dict(m).items()}
     x = torch.randn(4, 3)
     m.eval()

@@ -180,16 +180,20 @@ def validate_writable(tensors: Sequence[torch.Tensor], op: str,
     compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
     outside_inference = not compiling and not torch.is_inference_mode_enabled()
     for i, t in enumerate(tensors):
-        if outside_inference and t.is_inference():
-            raise RuntimeError(
-                f"{op}: {_name(i, name_of)} is an inference tensor; in-place updates to inference "
-                f"tensors outside InferenceMode are not allowed"
-            )
-        if t.numel() > 1 and not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
-            raise RuntimeError(
-                f"{op}: {_name(i, name_of)} has elements that share memory (e.g. an expanded tensor) "
-                f"and cannot be written in place"
-            )
+        problem = unwritable(t, outside_inference)
+        if problem is not None:
+            raise RuntimeError(f"{op}: {_name(i, name_of)} {problem}")
+
+
+def unwritable(t: torch.Tensor, outside_inference: bool = True) -> Optional[str]:
+    """Why ``t`` cannot be written in place (an inference tensor outside inference mode,
+    elements that share memory), or None."""
+    if outside_inference and t.is_inference():
+        return ("is an inference tensor; in-place updates to inference tensors outside "
+                "InferenceMode are not allowed")
+    if t.numel() > 1 and not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+        return "has elements that share memory (e.g. an expanded tensor) and cannot be written in place"
+    return None
 
 
 def clip_result_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:

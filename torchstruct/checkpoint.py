@@ -31,7 +31,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from . import _state
 from ._checks import check_bool, refuse_lazy
-from ._reference import validate_writable
+from ._reference import unwritable
 from .blocks import refuse_constant_writes
 from .declare import trainable_parameters
 from .select import _closest
@@ -96,11 +96,11 @@ def state_dict(model: nn.Module, *, buffers: bool = True) -> dict[str, torch.Ten
     check_bool(buffers, "buffers", "state_dict")
     params = list(trainable_parameters(model))
     refuse_lazy("state_dict", params)  # no values to save or load yet
-    with _state.without_stand_ins():  # the model's own tensors, also inside a swap block
-        out = {path: p.detach() for path, p in params}
-        if buffers:
-            trained = {id(p) for _, p in params}
-            out.update((path, b.detach()) for path, b in _owned_buffers(model, trained).items())
+    # (inside a swap block, the stand-ins' values, as model.state_dict() holds them there)
+    out = {path: p.detach() for path, p in params}
+    if buffers:
+        trained = {id(p) for _, p in params}
+        out.update((path, b.detach()) for path, b in _owned_buffers(model, trained).items())
     order = {path: i for i, path in enumerate(_targets(model))}  # Module.state_dict's order
     return {path: out[path] for path in sorted(out, key=order.__getitem__)}
 
@@ -171,11 +171,8 @@ def _problem(path: str, value, target: torch.Tensor) -> str | None:
             "be written outside it; load inside torch.inference_mode() or rebuild the model "
             "outside it"
         )
-    try:  # elements sharing memory (an expanded buffer): no in-place write
-        validate_writable([target], "load_state_dict", lambda _: f"the model's tensor {path!r}")
-    except RuntimeError as err:
-        return str(err).removeprefix("load_state_dict: ")
-    return None
+    problem = unwritable(target)  # elements sharing memory (an expanded buffer)
+    return None if problem is None else f"{path!r}: the model's tensor {problem}"
 
 
 def load_state_dict(
