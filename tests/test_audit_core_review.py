@@ -171,3 +171,27 @@ def test_a_lazy_batch_norm_with_cumulative_average_frozen_before_its_first_forwa
         net(torch.randn(8, 3))
     if how == "context":
         ctx.__exit__(None, None, None)
+
+
+def test_a_loaded_lazy_batch_norm_reset_while_held_still_raises():
+    from torch.optim.swa_utils import update_bn
+
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3, momentum=None))
+    src(torch.randn(16, 3) + 3)
+    m = nn.Sequential(nn.Linear(3, 3), nn.LazyBatchNorm1d(momentum=None))
+    with ts.freeze(m, "1"):
+        m.load_state_dict(src.state_dict())  # materializes trained statistics: the hold's own
+        with pytest.raises(RuntimeError, match="were reset"):
+            update_bn([torch.randn(8, 3) for _ in range(3)], m)
+
+
+def test_loading_into_an_inference_model_inside_inference_mode():
+    with torch.inference_mode():
+        m = nn.Linear(2, 2)
+    with torch.inference_mode():
+        ts.load_state_dict(m, {"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
+    assert torch.equal(m.weight, torch.ones(2, 2))
+    with pytest.raises(ValueError, match="inference_mode"):
+        ts.load_state_dict(m, {"weight": torch.zeros(2, 2), "bias": torch.zeros(2)})
+    assert torch.equal(m.weight, torch.ones(2, 2))

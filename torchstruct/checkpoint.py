@@ -171,7 +171,8 @@ def _problem(path: str, value, target: torch.Tensor) -> str | None:
             "be written outside it; load inside torch.inference_mode() or rebuild the model "
             "outside it"
         )
-    problem = unwritable(target)  # elements sharing memory (an expanded buffer)
+    # elements sharing memory (an expanded buffer); an inference tensor is told of above
+    problem = unwritable(target, outside_inference=False)
     return None if problem is None else f"{path!r}: the model's tensor {problem}"
 
 

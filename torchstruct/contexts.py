@@ -318,7 +318,7 @@ def _undone(entry: Entry, changes: list) -> dict:
     left = _left_changed(entry, vanished_only=not grown)
     if entry.kind == "unfreeze":
         return {"turned_on": [], "born": [], "left": [], "grown": grown, "left_on": left,
-                "turned_off": _present_turned_off(entry, changes) if grown else []}
+                "turned_off": [path for path, _, flag in changes if not flag] if grown else []}
     return {"turned_on": [path for path, _, flag in changes if flag] if grown else [],
             "born": _born_frozen(entry) if grown else [], "left": left, "grown": grown}
 
@@ -381,18 +381,6 @@ def _remember_present(entry: Entry) -> None:
         entry.present, entry.present_paths = st.members, st.last
         if not entry.selectors and st.root() is not scope:  # the whole of a part of the tree
             entry.inside = frozenset(map(id, scope.parameters()))
-
-
-def _present_turned_off(entry: Entry, changes: list) -> list[str]:
-    """Paths the exit of an ``unfreeze`` block turned off among the parameters present when
-    it was entered (a copy made inside, such as a resized embedding's, took its flag from the
-    one it replaces and gets that one's back: no write of someone else's to name)."""
-    out = []
-    for path, p, flag in changes:
-        was = entry.present.get(id(p))
-        if not flag and was is not None and was.p is p:
-            out.append(path)
-    return out
 
 
 def _born_frozen(entry: Entry) -> list[str]:

@@ -438,6 +438,7 @@ class State:
                 self.norm_hooks[key] = (weakref.ref(mod), [
                     mod.register_forward_pre_hook(_norm_pre),
                     mod.register_forward_hook(_norm_post, always_call=True),
+                    mod.register_load_state_dict_post_hook(_norm_loaded),
                 ])
             held = _state.frozen_norms.get(key)
             if held is None or held[0]() is not mod:  # a hold begins: what it keeps, from now
@@ -872,6 +873,22 @@ def _stats_version(module: nn.Module) -> tuple:
 _LAZY = "lazy"  # the statistics of a hold begun before a lazy layer's first forward
 
 
+def _settle_lazy(module: nn.Module, hit) -> None:
+    """A hold begun before lazy ``module`` had statistics: the ones it has now, once
+    materialized (by its first forward, or a ``load_state_dict``), are where the hold starts."""
+    stats = getattr(module, "running_mean", None)
+    if stats is not None and not nn.parameter.is_lazy(stats):
+        hit[2][:] = _stats_version(module)
+
+
+def _norm_loaded(module: nn.Module, _keys) -> None:
+    """After a ``load_state_dict`` of a normalization layer with hooks: a lazy one's loaded
+    statistics settle its hold (a later reset is then seen as one)."""
+    hit = _state.frozen_norms.get(id(module))
+    if hit is not None and hit[0]() is module and hit[2][0] is _LAZY:
+        _settle_lazy(module, hit)
+
+
 def _refuse_reset(module: nn.Module) -> None:
     """Raise if held batch norm ``module``, built with ``momentum=None``, had its statistics
     reset since the hold began: what ``update_bn`` does before recomputing them, which cannot be
@@ -891,12 +908,11 @@ def _refuse_reset(module: nn.Module) -> None:
         return
     if not isinstance(module, nn.modules.batchnorm._BatchNorm):
         return  # update_bn recomputes batch norms only; instance norms never count batches
+    if held is _LAZY:  # materialized by this forward (fresh statistics, not a reset; a load
+        _settle_lazy(module, hit)  # settles them as it materializes them): held from here on
+        return
     if not module.training:
         return  # an eval forward updates nothing, held or not: decided at the next train one
-    if held is _LAZY:  # materialized by this forward (fresh statistics, not a reset): from
-        if stats is not None and not nn.parameter.is_lazy(stats):  # here on they are held
-            hit[2][:] = _stats_version(module)
-        return
     if stats is not None and held == stats._cdata and stats._version == version:
         return  # nothing wrote the statistics since the hold began
     count = getattr(module, "num_batches_tracked", None)
