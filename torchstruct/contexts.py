@@ -224,9 +224,7 @@ def _refuse_in_backward(entry: Entry) -> None:
 def _apply_around(entry: Entry, refuse: bool = True, applied: list | None = None,
                   only: list | None = None) -> list:
     """Apply every state whose model shares a parameter with the entry's scope; the changes.
-    The states that applied are appended to ``applied``; with ``only``, those states alone
-    apply (undoing a refused change: a state that refused wrote nothing, and applying it
-    leniently would write the flags of a declaration that is not valid)."""
+    ``applied``, ``only``: see :func:`hooks.apply_recorded`."""
     scope = entry.scope()
     if scope is None:
         return []
@@ -235,12 +233,8 @@ def _apply_around(entry: Entry, refuse: bool = True, applied: list | None = None
 
     def apply(st) -> None:
         nonlocal changes
-        if only is not None and not any(st is o for o in only):
-            return
         try:
-            changes += st.apply(refuse)
-            if applied is not None:
-                applied.append(st)
+            changes += hooks.apply_recorded(st, refuse, applied, only)
         except BaseException as err:  # noqa: BLE001 - restoring: every tree first, then raise
             if refuse:
                 raise

@@ -1149,17 +1149,26 @@ def apply_pending(module: nn.Module) -> None:
                 st.apply()
 
 
+def apply_recorded(st: State, refuse: bool, applied: list | None, only: list | None) -> list:
+    """``st.apply(refuse)``, appending ``st`` to ``applied`` once it applied; with ``only``,
+    nothing unless ``st`` is one of those (undoing a refused change: a state that refused
+    wrote nothing, and applying it leniently would write the flags of a declaration that is
+    not valid). Returns the changes."""
+    if only is not None and not any(st is o for o in only):
+        return []
+    changes = st.apply(refuse)
+    if applied is not None:
+        applied.append(st)
+    return changes
+
+
 def apply_containing(module: nn.Module, refuse: bool = True, applied: list | None = None,
                      only: list | None = None) -> None:
     """Apply every state whose tree contains ``module`` (attaching ``module`` if none does),
     and the other attached models sharing parameters with those (one flag, written once for
-    all of them). The states that applied are appended to ``applied``; with ``only``, those
-    alone apply (undoing a refused change, as ``contexts._apply_around`` does)."""
+    all of them). ``applied``, ``only``: see :func:`apply_recorded`."""
     def apply(st) -> None:
-        if only is None or any(st is o for o in only):
-            st.apply(refuse)
-            if applied is not None:
-                applied.append(st)
+        apply_recorded(st, refuse, applied, only)
 
     with _state.LOCK:
         found = [st for st in _state.live_states() if _contains(st.root(), module)]
